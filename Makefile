@@ -1,0 +1,26 @@
+# Two commands on a fresh machine:  make demo  |  make test
+# Both create .venv, install requirements.txt and fetch the model (into $MINILLM_CACHE or ~/.cache/minillm).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cksum < requirements.txt | cut -d' ' -f1)
+
+.PHONY: demo test setup model
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+model: setup
+	$(PY) -c "from minillm.loader import fetch_smollm2; print('model:', fetch_smollm2())"
+
+demo: model
+	$(PY) -m minillm demo
+
+test: model
+	$(PY) -m pytest tests

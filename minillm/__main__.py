@@ -1,0 +1,85 @@
+"""Command line: python -m minillm {generate, bench, demo} ...  (`--help` on each)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _generate(args) -> None:
+    from . import LLM, SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
+    for prompt in args.prompt:
+        if args.chat:
+            prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])
+        for piece in llm.stream(prompt, params):
+            print(piece, end="", flush=True)
+        print()
+
+
+def _bench(args) -> None:
+    from . import benchmarks
+    from .benchmarks.common import format_table, write_json
+
+    module = benchmarks.load(args.name)
+    doc = module.run(quick=args.quick)
+    print(format_table(doc["results"]))
+    print(json.dumps(doc["summary"], indent=2, default=float))
+    if args.json:
+        print(f"wrote {write_json(doc, args.json)}")
+
+
+def _demo(args) -> None:
+    from .demo import main
+
+    main(model=args.model, dtype=args.dtype, max_tokens=args.max_tokens)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_args(p):
+        p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or an HF folder")
+        p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+
+    g = sub.add_parser("generate", help="stream a completion for each PROMPT")
+    model_args(g)
+    g.add_argument("--device", default="auto")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    g.add_argument("prompt", nargs="+")
+    g.set_defaults(func=_generate)
+
+    b = sub.add_parser("bench", help="run one benchmark, print a table, optionally write JSON")
+    b.add_argument("name")
+    b.add_argument("--quick", action="store_true", help="small sizes, for CI and a first look")
+    b.add_argument("--json", default=None, help="write the result document here")
+    b.set_defaults(func=_bench)
+
+    d = sub.add_parser("demo", help="chat with SmolLM2, streamed, then report tokens/s")
+    model_args(d)
+    d.add_argument("--max-tokens", type=int, default=96)
+    d.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Perplexity over non-overlapping token windows, and the project's evaluation text.
+
+The text is Python's own documentation (`pydoc_data.topics`, shipped with every Python), so
+every machine has it offline. Topics are split by name into two disjoint parts:
+every 4th topic (sorted by name) is calibration data (GPTQ / AWQ statistics), the rest is
+evaluation data. Nothing calibrates on text it is then scored on.
+"""
+from __future__ import annotations
+
+import math
+
+from .sampling import SamplingParams
+
+
+def _topics() -> list[tuple[str, str]]:
+    from pydoc_data.topics import topics
+
+    return sorted(topics.items())
+
+
+def calibration_text() -> str:
+    return "\n\n".join(text for i, (_, text) in enumerate(_topics()) if i % 4 == 0)
+
+
+def evaluation_text() -> str:
+    return "\n\n".join(text for i, (_, text) in enumerate(_topics()) if i % 4 != 0)
+
+
+def token_windows(token_ids: list[int], window: int, max_windows: int | None = None) -> list[list[int]]:
+    """Non-overlapping windows of exactly `window` tokens (a shorter tail is dropped)."""
+    if window < 2:
+        raise ValueError(f"window = {window} is invalid; allowed: an integer >= 2")
+    n = len(token_ids) // window
+    if max_windows is not None:
+        n = min(n, max_windows)
+    if n == 0:
+        raise ValueError(f"text has {len(token_ids)} tokens, fewer than one window of {window}")
+    return [token_ids[i * window:(i + 1) * window] for i in range(n)]
+
+
+def window_nll(llm, windows: list[list[int]]) -> tuple[float, int]:
+    """Summed negative log-likelihood and number of predicted tokens, through llm.generate's
+    prompt_logprobs (so it measures whatever the engine runs: quantised, paged, ...)."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
+    nll, count = 0.0, 0
+    for out, w in zip(outs, windows):
+        for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            nll -= entry[w[pos]].logprob
+            count += 1
+    return nll, count
+
+
+def perplexity(llm, text: str | None = None, window: int = 512, max_windows: int | None = None) -> float:
+    """exp(mean NLL) of the evaluation text (or `text`) in non-overlapping windows."""
+    ids = llm.get_tokenizer().encode(evaluation_text() if text is None else text)
+    nll, count = window_nll(llm, token_windows(ids, window, max_windows))
+    return math.exp(nll / count)

@@ -1,0 +1,230 @@
+"""LLM: vLLM's offline interface over minillm's model.
+
+    llm = LLM(model="smollm2")
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    outs[0].outputs[0].text
+
+This file owns the request life cycle (validation, tokenising, stop conditions, detokenising,
+logprobs, metrics). Which forward pass produces the logits is the runner's business.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .loader import load_model, resolve_device
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .sampling import SamplingParams, make_generator, sample
+
+_request_counter = itertools.count()
+
+
+@dataclass
+class Request:
+    """One prompt in flight: its tokens so far and everything needed to finish it."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    metrics: RequestMetrics
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list | None = None
+    cumulative_logprob: float = 0.0
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    emitted: int = 0                       # characters of text already streamed
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2", dtype: str = "float32", device: str = "auto",
+                 max_model_len: int = 2048, seed: int = 0):
+        if not isinstance(max_model_len, int) or max_model_len < 2:
+            raise ValueError(f"max_model_len = {max_model_len!r} is invalid; allowed: an integer >= 2")
+        self.device = resolve_device(device)
+        self.model, self.tokenizer = load_model(model, dtype=dtype, device=self.device)
+        self.config = self.model.cfg
+        if max_model_len > self.config.max_seq_len:
+            raise ValueError(f"max_model_len = {max_model_len} exceeds the model's context of "
+                             f"{self.config.max_seq_len} tokens; allowed: 2..{self.config.max_seq_len}")
+        self.max_model_len = max_model_len
+        self.seed = seed
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            vocab = self.config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        else:
+            raise ValueError(f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; "
+                             f"got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty (0 tokens); give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                             f"the prompt must be shorter than max_model_len to leave room for output")
+        return text, ids
+
+    def make_requests(self, prompts, sampling_params=None) -> list[Request]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts is empty; give at least one prompt")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise ValueError(f"sampling_params must be one SamplingParams or a list of {len(prompts)} "
+                             f"(one per prompt)")
+        requests = []
+        for prompt, params in zip(prompts, sampling_params):
+            params.validate()
+            text, ids = self._prompt_ids(prompt)
+            requests.append(Request(
+                request_id=str(next(_request_counter)), prompt=text, prompt_token_ids=ids, params=params,
+                generator=make_generator(params, self.device), metrics=RequestMetrics(time.time()),
+                output_logprobs=[] if params.logprobs is not None else None))
+        return requests
+
+    # ---- one step of a request: shared by every runner ---------------------------------------
+
+    def append_token(self, req: Request, logits: torch.Tensor) -> str:
+        """Sample from logits (V,), append, update text/stop state. Returns the new visible text."""
+        token = sample(logits, req.params, req.generator)
+        now = time.time()
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.output_token_ids.append(token)
+        if req.params.logprobs is not None:
+            entry, lp = _logprob_entry(logits, token, req.params.logprobs, self.tokenizer)
+            req.output_logprobs.append(entry)
+            req.cumulative_logprob += lp
+        req.text = self.tokenizer.decode(req.output_token_ids)
+        params = req.params
+        if not params.ignore_eos and token == self.tokenizer.eos_token_id:
+            req.finish_reason, req.stop_reason = "stop", None
+        elif token in params.stop_token_ids:
+            req.finish_reason, req.stop_reason = "stop", token
+        for s in params.stop:
+            at = req.text.find(s)
+            if at != -1:
+                req.text = req.text[:at]
+                req.finish_reason, req.stop_reason = "stop", s
+                break
+        if not req.finished and (len(req.output_token_ids) >= params.max_tokens
+                                 or len(req.all_token_ids) >= self.max_model_len):
+            req.finish_reason = "length"
+        if req.finished:
+            req.metrics.finished_time = now
+        req.metrics.num_generated_tokens = len(req.output_token_ids)
+        return _visible_delta(req)
+
+    def set_prompt_logprobs(self, req: Request, prompt_logits: torch.Tensor) -> None:
+        """prompt_logits (T, V): position t predicts token t + 1."""
+        k = req.params.prompt_logprobs
+        entries = [None]
+        for t in range(1, len(req.prompt_token_ids)):
+            entries.append(_logprob_entry(prompt_logits[t - 1], req.prompt_token_ids[t], k, self.tokenizer)[0])
+        req.prompt_logprobs = entries
+
+    def to_output(self, req: Request) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0, text=req.text, token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
+            logprobs=req.output_logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason)
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt,
+                             prompt_token_ids=req.prompt_token_ids, prompt_logprobs=req.prompt_logprobs,
+                             outputs=[completion], finished=req.finished, metrics=req.metrics)
+
+    # ---- runner: the naive baseline, one request at a time, full recompute per token ---------
+
+    @torch.no_grad()
+    def stream_request(self, req: Request) -> Iterator[str]:
+        """Run one request to completion, yielding its new visible text after every token."""
+        ids = torch.tensor([req.prompt_token_ids], device=self.device)   # (1, T)
+        while True:
+            logits = self.model(ids)[0]                                  # (T, V)
+            if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:
+                self.set_prompt_logprobs(req, logits)
+            yield self.append_token(req, logits[-1])
+            if req.finished:
+                return
+            ids = torch.cat([ids, ids.new_tensor([[req.output_token_ids[-1]]])], dim=1)
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        requests = self.make_requests(prompts, sampling_params)
+        from tqdm.auto import tqdm
+
+        for req in tqdm(requests, desc="generate", disable=not use_tqdm):
+            for _ in self.stream_request(req):
+                pass
+        return [self.to_output(r) for r in requests]
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one request piece by piece as tokens are generated."""
+        (req,) = self.make_requests([prompt], sampling_params)
+        for delta in self.stream_request(req):
+            if delta:
+                yield delta
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """messages: one conversation (list of {'role', 'content'}) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _logprob_entry(logits: torch.Tensor, token: int, k: int, tokenizer) -> tuple[dict[int, Logprob], float]:
+    """{token: Logprob} for the chosen token plus the k most likely ones (raw logits, no temperature)."""
+    logp = logits.float().log_softmax(-1)                              # (V,)
+    chosen = float(logp[token])
+    rank = int((logp > logp[token]).sum()) + 1
+    entry = {token: Logprob(chosen, rank, tokenizer.decode([token], skip_special_tokens=False))}
+    if k:
+        top = torch.topk(logp, k)
+        for r, (v, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+            entry.setdefault(i, Logprob(v, r, tokenizer.decode([i], skip_special_tokens=False)))
+    return entry, chosen
+
+
+def _visible_delta(req: Request) -> str:
+    """Text not yet shown that is safe to show. While running, hold back a trailing partial
+    UTF-8 character (decoded as U+FFFD) and the last len(stop) - 1 characters, which could still
+    turn out to be the start of a stop string."""
+    visible = req.text
+    if not req.finished:
+        visible = visible.rstrip("\ufffd")
+        hold = max((len(s) - 1 for s in req.params.stop), default=0)
+        visible = visible[:len(visible) - hold]
+    delta = visible[req.emitted:]
+    req.emitted = max(req.emitted, len(visible))
+    return delta

@@ -1,0 +1,192 @@
+"""The naive baseline: a plain Llama forward pass with no cache. It defines "correct".
+
+Every later module (KV cache, GQA kernels, paging, batching, speculative decoding, quantisation)
+is proven equal to this file, so it stays short and obvious:
+
+    tokens -> embedding -> 30 x [RMSNorm -> attention (RoPE, GQA) -> + ; RMSNorm -> SwiGLU -> +]
+           -> RMSNorm -> tied LM head -> logits
+
+Each call recomputes attention over the whole sequence: generating n tokens costs O(n^2) work.
+RoPE rotates *interleaved* pairs (0,1), (2,3), ...: that is how GGUF stores the q/k rows
+(HF-format weights are permuted into this layout by the loader).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, asdict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 49152
+    dim: int = 576             # hidden size
+    n_layers: int = 30
+    n_heads: int = 9           # query heads
+    n_kv_heads: int = 3        # key/value heads (GQA: n_heads // n_kv_heads queries share one)
+    head_dim: int = 64
+    ffn_dim: int = 1536        # SwiGLU inner size
+    norm_eps: float = 1e-5
+    rope_theta: float = 100000.0
+    max_seq_len: int = 8192    # positions the model was trained for
+    tie_embeddings: bool = True
+    qkv_bias: bool = False     # Qwen2 has biases on q, k, v
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def num_parameters(self) -> int:
+        d, kv = self.dim, self.n_kv_heads * self.head_dim
+        q = self.n_heads * self.head_dim
+        attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0)
+        layer = attn + 3 * d * self.ffn_dim + 2 * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.n_layers * layer + d + head
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A random-weight model small enough for unit tests (same code path as SmolLM2, GQA 3:1)."""
+    cfg = dict(vocab_size=256, dim=96, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=16,
+               ffn_dim=192, rope_theta=10000.0, max_seq_len=512)
+    cfg.update(overrides)
+    return ModelConfig(**cfg)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):                                   # (..., dim)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
+    """cos, sin of shape (..., head_dim // 2) for integer positions (...)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    angles = positions.float()[..., None] * inv_freq        # (..., hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) by the angle of their position.
+    x: (B, H, T, hd); cos, sin: (B, 1, T, hd/2) or (T, hd/2)."""
+    xf = x.float()
+    x_even, x_odd = xf[..., 0::2], xf[..., 1::2]             # (B, H, T, hd/2) each
+    rot_even = x_even * cos - x_odd * sin
+    rot_odd = x_even * sin + x_odd * cos
+    return torch.stack((rot_even, rot_odd), dim=-1).flatten(-2).type_as(x)
+
+
+def naive_attention(q, k, v, causal: bool = True):
+    """softmax(q k^T / sqrt(d)) v with the (T, S) score matrix materialised.
+    q: (B, Hq, T, hd); k, v: (B, Hkv, S, hd). With S > T the queries are the last T positions."""
+    n_rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(n_rep, dim=1)                    # (B, Hq, S, hd): copies for GQA
+    v = v.repeat_interleave(n_rep, dim=1)                    # (B, Hq, S, hd)
+    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, Hq, T, S)
+    if causal:
+        T, S = scores.shape[-2:]
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1)                           # (B, Hq, T, S)
+    return (probs @ v.float()).type_as(q)                    # (B, Hq, T, hd)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def project_qkv(self, x, cos, sin):
+        """x (B, T, dim) -> q (B, Hq, T, hd), k and v (B, Hkv, T, hd), RoPE applied to q and k."""
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin):                          # x: (B, T, dim)
+        B, T, _ = x.shape
+        q, k, v = self.project_qkv(x, cos, sin)
+        out = naive_attention(q, k, v, causal=True)          # (B, Hq, T, hd)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):                                    # (B, T, dim)
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = FeedForward(cfg)
+
+    def forward(self, x, cos, sin):                          # (B, T, dim)
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def logits(self, h):                                     # (B, T, dim) -> (B, T, vocab)
+        h = self.norm(h)
+        return F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, vocab). Positions are 0..T-1."""
+        B, T = tokens.shape
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {T} tokens exceeds the model's max_seq_len {self.cfg.max_seq_len}")
+        positions = torch.arange(T, device=tokens.device)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)  # (T, hd/2)
+        h = self.embed(tokens)                               # (B, T, dim)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.logits(h)
+
+
+def random_model(cfg: ModelConfig, seed: int = 0, dtype=torch.float32) -> Llama:
+    """Random weights with a scale that keeps activations O(1) through the layers."""
+    gen = torch.Generator().manual_seed(seed)
+    model = Llama(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+    return model.to(dtype).eval()

@@ -1,0 +1,92 @@
+"""SamplingParams (vLLM's names and defaults) and the sampler: greedy, temperature, top-k, top-p.
+
+Each request owns a torch.Generator seeded from `seed`, so a seeded request draws the same
+tokens whatever else shares its batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0     # 0 means greedy
+    top_p: float = 1.0           # nucleus: keep the smallest set of tokens with mass >= top_p
+    top_k: int = -1              # keep the k most likely tokens; -1 keeps all
+    max_tokens: int = 16         # new tokens to generate at most
+    seed: int | None = None
+    stop: str | list[str] | None = None   # stop strings (not included in the output text)
+    ignore_eos: bool = False
+    logprobs: int | None = None           # per generated token: its logprob + the top-k
+    prompt_logprobs: int | None = None    # per prompt position: the actual token's logprob + top-k
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name, allowed):
+            raise ValueError(f"SamplingParams.{name} = {getattr(self, name)!r} is invalid; allowed: {allowed}")
+
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            bad("temperature", "a number >= 0 (0 = greedy)")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad("top_p", "a number in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+            bad("top_k", "-1 (disabled) or an integer >= 1")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", "an integer >= 1")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "None or an integer")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "a non-empty string or a list of non-empty strings")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                bad(name, "None or an integer >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """A per-request random stream; None for greedy requests (nothing is drawn)."""
+    if params.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    if params.seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(params.seed)
+    return gen
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits (V,) -> the probabilities we sample from (V,) after temperature, top-k and top-p."""
+    logits = logits.float() / params.temperature
+    if params.top_k != -1 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p          # mass of strictly more likely tokens
+        drop = mass_before >= params.top_p                    # the most likely token is always kept
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum()
+    return probs
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One next token id from logits (V,)."""
+    if params.greedy:
+        return int(logits.argmax())
+    probs = filtered_probs(logits, params)
+    return int(torch.multinomial(probs, 1, generator=generator))

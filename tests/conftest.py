@@ -1,0 +1,48 @@
+"""Shared fixtures. Real-model fixtures are session-scoped: SmolLM2 loads once per run."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from minillm.loader import fetch_smollm2
+
+    return fetch_smollm2()
+
+
+@pytest.fixture(scope="session")
+def llm(smollm2_path):
+    """The real model through the public API, fp32 on CPU."""
+    from minillm import LLM
+
+    return LLM(model=str(smollm2_path), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm2_path):
+    """transformers' LlamaForCausalLM loaded from the same GGUF: the peer for logits."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(smollm2_path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+@pytest.fixture
+def tiny_model():
+    from minillm.model import random_model, tiny_config
+
+    return random_model(tiny_config(), seed=0)

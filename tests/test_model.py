@@ -1,0 +1,102 @@
+"""The naive baseline against transformers: same logits, same greedy tokens, HF folders load."""
+import pytest
+import torch
+
+from minillm import SamplingParams
+from minillm.loader import load_model
+from minillm.model import Llama, naive_attention, random_model, tiny_config
+
+
+def _tokens(n, seed=0, vocab=49152):
+    return torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 300])
+@torch.no_grad()
+def test_logits_match_transformers(llm, hf_model, n):
+    ids = _tokens(n, seed=n)
+    ours = llm.model(ids)                                    # (1, n, V)
+    ref = hf_model(ids).logits
+    assert (ours - ref).abs().max().item() <= 1e-3
+
+
+@torch.no_grad()
+def test_32_greedy_tokens_match_transformers(llm, hf_model):
+    prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Tell me about the Moon."}])
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)[0]
+    ids = torch.tensor([out.prompt_token_ids])
+    ref = hf_model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, ids.shape[1]:]
+    assert out.outputs[0].token_ids == ref.tolist()
+
+
+def test_attention_is_causal_and_gqa_shapes():
+    q, k, v = torch.randn(2, 6, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    out = naive_attention(q, k, v)
+    assert out.shape == (2, 6, 5, 8)
+    # the first query sees only the first key: its output is that key's value (for its group)
+    assert torch.allclose(out[:, 0, 0], v[:, 0, 0], atol=1e-6)
+    assert torch.allclose(out[:, 5, 0], v[:, 1, 0], atol=1e-6)
+    # changing a later key must not change earlier outputs
+    k2 = k.clone()
+    k2[:, :, -1] += 1.0
+    assert torch.equal(naive_attention(q, k2, v)[:, :, :-1], out[:, :, :-1])
+
+
+def test_tiny_model_runs_and_is_deterministic(tiny_model):
+    ids = torch.randint(0, 256, (2, 9))
+    a, b = tiny_model(ids), tiny_model(ids)
+    assert a.shape == (2, 9, 256) and torch.equal(a, b)
+    assert torch.isfinite(a).all() and a.std() > 0.1
+
+
+def _hf_folder_from_tiny(tmp_path, arch, hf_tokenizer):
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=256, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.eval().save_pretrained(tmp_path)
+    hf_tokenizer.save_pretrained(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@torch.no_grad()
+def test_hf_folder_tiny_llama_and_qwen2(tmp_path, hf_tokenizer, arch):
+    """HF's rotate-half q/k rows are permuted into our interleaved layout (and Qwen2's biases)."""
+    hf = _hf_folder_from_tiny(tmp_path, arch, hf_tokenizer)
+    ours, _ = load_model(tmp_path, dtype="float32", device="cpu")
+    assert ours.cfg.qkv_bias == (arch == "qwen2")
+    ids = torch.randint(0, 256, (2, 33))
+    assert (ours(ids) - hf(ids).logits).abs().max().item() <= 1e-4
+
+
+@torch.no_grad()
+def test_smollm2_saved_as_hf_folder_loads_with_identical_logits(tmp_path, llm, hf_model, hf_tokenizer):
+    transformers = pytest.importorskip("transformers")
+    config = hf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config      # GGUF-loaded models refuse save_pretrained otherwise
+    plain = transformers.LlamaForCausalLM(config)
+    plain.load_state_dict(hf_model.state_dict())
+    plain.save_pretrained(tmp_path)
+    hf_tokenizer.save_pretrained(tmp_path)
+    ours, tok = load_model(tmp_path, dtype="float32", device="cpu")
+    ids = _tokens(40, seed=3)
+    assert torch.equal(ours(ids), llm.model(ids))
+    assert tok.encode("Hello there, 123!") == llm.get_tokenizer().encode("Hello there, 123!")
+
+
+def test_random_model_dtypes():
+    m = random_model(tiny_config(), dtype=torch.bfloat16)
+    assert isinstance(m, Llama) and m.embed.weight.dtype == torch.bfloat16
+    assert m(torch.zeros(1, 4, dtype=torch.long)).dtype == torch.bfloat16
