@@ -3,27 +3,31 @@
 The text is Python's own documentation (`pydoc_data.topics`, shipped with every Python), so
 every machine has it offline. Topics are split by name into two disjoint parts:
 every 4th topic (sorted by name) is calibration data (GPTQ / AWQ statistics), the rest is
-evaluation data. Nothing calibrates on text it is then scored on.
+evaluation data. Some paragraphs are repeated across topics; the evaluation part drops any
+paragraph that the calibration part contains, so nothing calibrates on text it is scored on.
 """
 from __future__ import annotations
 
 import math
+import re
 
 from .sampling import SamplingParams
 
 
-def _topics() -> list[tuple[str, str]]:
+def _paragraphs(calibration: bool) -> list[str]:
     from pydoc_data.topics import topics
 
-    return sorted(topics.items())
+    chosen = [text for i, (_, text) in enumerate(sorted(topics.items())) if (i % 4 == 0) == calibration]
+    return [p.strip("\n") for text in chosen for p in re.split(r"\n\s*\n", text) if p.strip()]
 
 
 def calibration_text() -> str:
-    return "\n\n".join(text for i, (_, text) in enumerate(_topics()) if i % 4 == 0)
+    return "\n\n".join(_paragraphs(calibration=True))
 
 
 def evaluation_text() -> str:
-    return "\n\n".join(text for i, (_, text) in enumerate(_topics()) if i % 4 != 0)
+    seen = set(_paragraphs(calibration=True))
+    return "\n\n".join(p for p in _paragraphs(calibration=False) if p not in seen)
 
 
 def token_windows(token_ids: list[int], window: int, max_windows: int | None = None) -> list[list[int]]:

@@ -16,6 +16,7 @@ from typing import Iterator
 
 import torch
 
+from .kv_cache import KVCache, forward_cached
 from .loader import load_model, resolve_device
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling import SamplingParams, make_generator, sample
@@ -163,20 +164,25 @@ class LLM:
                              prompt_token_ids=req.prompt_token_ids, prompt_logprobs=req.prompt_logprobs,
                              outputs=[completion], finished=req.finished, metrics=req.metrics)
 
-    # ---- runner: the naive baseline, one request at a time, full recompute per token ---------
+    # ---- runner: one request at a time over a contiguous KV cache ---------------------------
 
     @torch.no_grad()
     def stream_request(self, req: Request) -> Iterator[str]:
         """Run one request to completion, yielding its new visible text after every token."""
-        ids = torch.tensor([req.prompt_token_ids], device=self.device)   # (1, T)
+        room = min(self.max_model_len, len(req.prompt_token_ids) + req.params.max_tokens)
+        cache = KVCache(self.config, 1, room, self.model.embed.weight.dtype, self.device)
+        prompt = torch.tensor([req.prompt_token_ids], device=self.device)     # (1, T)
+        want_prompt = req.params.prompt_logprobs is not None
+        logits = forward_cached(self.model, prompt, cache, all_logits=want_prompt)[0]
+        if want_prompt:
+            self.set_prompt_logprobs(req, logits)                             # logits: (T, V)
+            logits = logits[-1]
         while True:
-            logits = self.model(ids)[0]                                  # (T, V)
-            if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:
-                self.set_prompt_logprobs(req, logits)
-            yield self.append_token(req, logits[-1])
+            yield self.append_token(req, logits)                              # logits: (V,)
             if req.finished:
                 return
-            ids = torch.cat([ids, ids.new_tensor([[req.output_token_ids[-1]]])], dim=1)
+            last = prompt.new_tensor([[req.output_token_ids[-1]]])            # (1, 1)
+            logits = forward_cached(self.model, last, cache)[0]
 
     # ---- public API -------------------------------------------------------------------------
 

@@ -1,0 +1,63 @@
+"""The KV cache changes speed, never tokens: identical greedy ids to the naive baseline."""
+import pytest
+import torch
+
+from minillm.kv_cache import KVCache, forward_cached, generate_greedy, generate_greedy_naive, kv_cache_bytes
+from minillm.model import ModelConfig, random_model, tiny_config
+
+
+def test_tiny_128_tokens_identical_to_naive(tiny_model):
+    prompt = [3, 14, 15, 92, 65, 35]
+    assert generate_greedy(tiny_model, [prompt], 128) == [generate_greedy_naive(tiny_model, prompt, 128)]
+
+
+def test_tiny_batch_of_different_lengths_equals_one_at_a_time(tiny_model):
+    prompts = [[7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [200, 100, 50]]
+    batched = generate_greedy(tiny_model, prompts, 40)
+    alone = [generate_greedy(tiny_model, [p], 40)[0] for p in prompts]
+    assert batched == alone
+
+
+def test_cached_logits_equal_full_forward(tiny_model):
+    """Internals: prefill + decode logits at every position equal the no-cache forward."""
+    ids = torch.randint(0, 256, (1, 20))
+    full = tiny_model(ids)                                   # (1, 20, V)
+    cache = KVCache(tiny_model.cfg, 1, 20)
+    pre = forward_cached(tiny_model, ids[:, :12], cache, all_logits=True)
+    steps = [forward_cached(tiny_model, ids[:, t:t + 1], cache) for t in range(12, 20)]
+    got = torch.cat([pre[0], torch.stack([s[0] for s in steps])])
+    assert (got - full[0]).abs().max() < 1e-5
+    assert cache.lengths.tolist() == [20]
+
+
+def test_real_model_128_tokens_identical_to_naive(llm):
+    prompt = llm.get_tokenizer().encode("The history of the printing press begins")
+    cached = generate_greedy(llm.model, [prompt], 128)[0]
+    assert cached == generate_greedy_naive(llm.model, prompt, 128)
+
+
+def test_real_model_batch_equals_one_at_a_time(llm):
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(t) for t in ["Hi", "Water boils at a temperature of", "def add(a, b):\n    return"]]
+    assert generate_greedy(llm.model, prompts, 24) == [generate_greedy(llm.model, [p], 24)[0] for p in prompts]
+
+
+def test_calculator_reproduces_the_article_llama7b_figures():
+    per_token = kv_cache_bytes(n_layers=32, n_kv_heads=32, head_dim=128, seq_len=1, batch=1, dtype_bytes=2)
+    assert per_token == 512 * 1024                                      # 512 KiB per token
+    assert kv_cache_bytes(32, 32, 128, 1000, 1, 2) / 2**30 == pytest.approx(0.49, abs=0.01)  # ~0.5 GB
+    assert kv_cache_bytes(32, 32, 128, 100_000, 1, 2) / 2**30 == pytest.approx(48.8, abs=0.1)  # ~50 GB
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_calculator_equals_allocated_bytes_for_smollm2(dtype):
+    cfg = ModelConfig()                                                 # SmolLM2-135M's shape
+    cache = KVCache(cfg, batch=2, max_len=128, dtype=dtype)
+    size = torch.tensor([], dtype=dtype).element_size()
+    assert cache.nbytes == kv_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 128, 2, size)
+
+
+def test_overflowing_the_cache_is_a_clear_error(tiny_model):
+    cache = KVCache(tiny_model.cfg, 1, 4)
+    with pytest.raises(ValueError, match="KV cache holds 4 positions"):
+        forward_cached(tiny_model, torch.zeros(1, 5, dtype=torch.long), cache)
