@@ -16,6 +16,7 @@ from typing import Iterator
 
 import torch
 
+from .fast_decode import RopeTable, forward_fast, fuse_projections, is_fused
 from .kv_cache import KVCache, forward_cached
 from .loader import load_model, resolve_device
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -53,7 +54,7 @@ class Request:
 
 class LLM:
     def __init__(self, model: str = "smollm2", dtype: str = "float32", device: str = "auto",
-                 max_model_len: int = 2048, seed: int = 0):
+                 max_model_len: int = 2048):
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len = {max_model_len!r} is invalid; allowed: an integer >= 2")
         self.device = resolve_device(device)
@@ -63,7 +64,8 @@ class LLM:
             raise ValueError(f"max_model_len = {max_model_len} exceeds the model's context of "
                              f"{self.config.max_seq_len} tokens; allowed: 2..{self.config.max_seq_len}")
         self.max_model_len = max_model_len
-        self.seed = seed
+        fuse_projections(self.model)          # views: the baseline modules see the same weights
+        self.rope = RopeTable(self.config.head_dim, self.config.rope_theta, max_model_len, self.device)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -171,18 +173,21 @@ class LLM:
         """Run one request to completion, yielding its new visible text after every token."""
         room = min(self.max_model_len, len(req.prompt_token_ids) + req.params.max_tokens)
         cache = KVCache(self.config, 1, room, self.model.embed.weight.dtype, self.device)
+        fast = is_fused(self.model)
+        step = (lambda t: forward_fast(self.model, t, cache, self.rope)) if fast else \
+               (lambda t: forward_cached(self.model, t, cache))
         prompt = torch.tensor([req.prompt_token_ids], device=self.device)     # (1, T)
-        want_prompt = req.params.prompt_logprobs is not None
-        logits = forward_cached(self.model, prompt, cache, all_logits=want_prompt)[0]
-        if want_prompt:
-            self.set_prompt_logprobs(req, logits)                             # logits: (T, V)
+        if req.params.prompt_logprobs is not None:
+            logits = forward_cached(self.model, prompt, cache, all_logits=True)[0]  # (T, V)
+            self.set_prompt_logprobs(req, logits)
             logits = logits[-1]
+        else:
+            logits = step(prompt)[0]                                          # (V,)
         while True:
-            yield self.append_token(req, logits)                              # logits: (V,)
+            yield self.append_token(req, logits)
             if req.finished:
                 return
-            last = prompt.new_tensor([[req.output_token_ids[-1]]])            # (1, 1)
-            logits = forward_cached(self.model, last, cache)[0]
+            logits = step(prompt.new_tensor([[req.output_token_ids[-1]]]))[0]
 
     # ---- public API -------------------------------------------------------------------------
 

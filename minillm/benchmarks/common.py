@@ -91,7 +91,8 @@ def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
     """A plain-text table of dicts (floats shown with 4 significant digits)."""
     if not rows:
         return "(no rows)"
-    columns = columns or list(rows[0].keys())
+    if columns is None:                       # union of the rows' keys, in first-seen order
+        columns = list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], (dict, list))))
 
     def cell(v):
         if isinstance(v, float):

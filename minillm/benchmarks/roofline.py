@@ -1,0 +1,73 @@
+"""Lesson 01: where the time goes in batch-1 decode on this machine.
+
+Measures the machine (GEMV bandwidth, GEMM FLOP/s), the model's bytes and FLOPs per token,
+and three decode speeds side by side: the naive baseline (no cache), the KV-cached runner,
+and a loop that does nothing but the model's weight GEMVs (the physics floor actually reached).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .. import roofline
+from ..kv_cache import generate_greedy, generate_greedy_naive
+from ..loader import load_model
+from .common import document, time_median
+
+NAME = "roofline"
+
+
+def weights_only_step(model) -> None:
+    """One token's worth of weight traffic and nothing else: every linear as a GEMV + LM head."""
+    x = torch.randn(1, model.cfg.dim, dtype=model.embed.weight.dtype)
+    for layer in model.layers:
+        for lin in (layer.attn.wq, layer.attn.wk, layer.attn.wv, layer.attn.wo):
+            lin(x if lin.in_features == x.shape[-1] else x.new_zeros(1, lin.in_features))
+        g = layer.ffn.w_gate(x)
+        layer.ffn.w_up(x)
+        layer.ffn.w_down(g)
+    F.linear(x, model.embed.weight)
+
+
+def run(quick: bool) -> dict:
+    prompt_len, new_tokens = (16, 8) if quick else (16, 64)
+    repeats = 3 if quick else 5
+    results = []
+    summary = {}
+    for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        model, _ = load_model("smollm2", dtype=dtype_name, device="cpu")
+        elem = torch.tensor([], dtype=dtype).element_size()
+        bandwidth = roofline.measure_bandwidth(256 if quick else 512, dtype=dtype, repeats=repeats)
+        flops = roofline.measure_flops(1024 if quick else 2048, dtype=dtype, repeats=repeats)
+        wbytes = roofline.weight_bytes(model.cfg, elem)
+        bound = bandwidth / wbytes
+        prompt = list(range(100, 100 + prompt_len))
+        t_naive = time_median(lambda: generate_greedy_naive(model, prompt, new_tokens), repeats=max(1, repeats - 2))
+        t_cached = time_median(lambda: generate_greedy(model, [prompt], new_tokens), repeats=repeats)
+        t_floor = time_median(lambda: weights_only_step(model), repeats=20)
+        row = {
+            "dtype": dtype_name, "params_M": model.cfg.num_parameters() / 1e6, "weight_MB": wbytes / 1e6,
+            "gemv_GBps": bandwidth / 1e9, "gemm_GFLOPs": flops / 1e9,
+            "ridge_flop_per_byte": flops / bandwidth,
+            "decode_intensity": roofline.arithmetic_intensity(model.cfg, elem, 1, prompt_len),
+            "prefill512_intensity": roofline.arithmetic_intensity(model.cfg, elem, 512, 0),
+            "bound_tok_s": bound,
+            "naive_tok_s": new_tokens / t_naive, "cached_tok_s": new_tokens / t_cached,
+            "weights_only_tok_s": 1 / t_floor,
+        }
+        row["cached_fraction_of_bound"] = row["cached_tok_s"] / bound
+        results.append(row)
+        summary[f"bandwidth_bound_tok_s_{dtype_name}"] = bound
+        summary[f"naive_tok_s_{dtype_name}"] = row["naive_tok_s"]
+        summary[f"cached_tok_s_{dtype_name}"] = row["cached_tok_s"]
+        del model
+    gpus = {name: {"ridge_flop_per_byte": g["flops"] / g["bandwidth"],
+                   "smollm2_bf16_bound_tok_s": g["bandwidth"] / (results[1]["weight_MB"] * 1e6),
+                   "llama7b_fp16_bound_tok_s": g["bandwidth"] / 14e9}
+            for name, g in roofline.GPUS.items()}
+    summary["gpus"] = gpus
+    config = {"prompt_len": prompt_len, "new_tokens": new_tokens, "batch": 1, "greedy": True,
+              "repeats": repeats, "time": time.strftime("%Y-%m-%d %H:%M")}
+    return document(NAME, config, results, summary)

@@ -1,0 +1,126 @@
+"""Fast batch-1 decode: the same math as kv_cache.forward_cached with the overhead taken out.
+
+At batch 1 a decode step must stream every weight once (lesson 01's bound); everything else
+is overhead: one kernel launch + Python dispatch per small op, per layer. What this adds:
+
+  1. fused projections: q, k, v come from ONE matrix [wq; wk; wv] and gate, up from ONE
+     [w_gate; w_up]: 5 GEMVs per layer become 2 (fewer launches, longer contiguous reads);
+     the original modules' weights become views into the fused ones, so nothing is copied
+     and the naive model still runs on the very same numbers;
+  2. RoPE from a precomputed cos/sin table (no pow/cos/sin per step);
+  3. attention by torch's fused scaled_dot_product_attention over the valid cache prefix
+     (GQA without copying K/V: enable_gqa);
+  4. the LM head applied to the last position only.
+
+Tested token-identical to the baseline in fp32 (tests/test_fast_decode.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .kv_cache import KVCache
+from .model import Llama
+
+
+def fuse_projections(model: Llama) -> Llama:
+    """Add attn.wqkv and ffn.w_gate_up (in place); wq/wk/wv/w_gate/w_up become views of them."""
+    for layer in model.layers:
+        attn, ffn = layer.attn, layer.ffn
+        if hasattr(attn, "wqkv"):
+            continue
+        if not all(type(m) is nn.Linear for m in (attn.wq, attn.wk, attn.wv, ffn.w_gate, ffn.w_up)):
+            raise ValueError("fuse_projections needs plain nn.Linear projections (not quantised ones)")
+        attn.wqkv = _fuse([attn.wq, attn.wk, attn.wv])
+        ffn.w_gate_up = _fuse([ffn.w_gate, ffn.w_up])
+    return model
+
+
+def is_fused(model: Llama) -> bool:
+    """True while every fused matrix still backs the modules the baseline uses (quantising or
+    replacing a projection after fusing makes this False, and the fast path must not be used)."""
+    for layer in model.layers:
+        attn, ffn = layer.attn, layer.ffn
+        if not hasattr(attn, "wqkv") or not hasattr(ffn, "w_gate_up"):
+            return False
+        for fused, parts in ((attn.wqkv, (attn.wq, attn.wk, attn.wv)), (ffn.w_gate_up, (ffn.w_gate, ffn.w_up))):
+            if type(fused) is not nn.Linear or not all(type(p) is nn.Linear for p in parts):
+                return False
+            storage = fused.weight.untyped_storage().data_ptr()
+            if any(p.weight.untyped_storage().data_ptr() != storage for p in parts):
+                return False
+    return True
+
+
+def _fuse(linears: list[nn.Linear]) -> nn.Linear:
+    weight = torch.cat([l.weight.data for l in linears])                  # (sum out, in)
+    bias = None if linears[0].bias is None else torch.cat([l.bias.data for l in linears])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
+                      device="meta", dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    row = 0
+    for l in linears:                                                     # re-point: views, no copy
+        n = l.out_features
+        l.weight = nn.Parameter(weight[row:row + n], requires_grad=False)
+        if bias is not None:
+            l.bias = nn.Parameter(bias[row:row + n], requires_grad=False)
+        row += n
+    return fused
+
+
+class RopeTable:
+    """cos/sin for every position up to max_len, computed once: (max_len, D/2) each."""
+
+    def __init__(self, head_dim: int, theta: float, max_len: int, device):
+        inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+        angles = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv_freq
+        self.cos, self.sin = angles.cos(), angles.sin()
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved-pair rotation; x (B, T, H, D), cos/sin (B or 1, T, 1, D/2)."""
+    xf = x.float().unflatten(-1, (-1, 2))                                 # (B, T, H, D/2, 2)
+    even, odd = xf[..., 0], xf[..., 1]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), -1).flatten(-2).type_as(x)
+
+
+@torch.no_grad()
+def forward_fast(model: Llama, tokens: torch.Tensor, cache: KVCache, rope: RopeTable) -> torch.Tensor:
+    """tokens (1, T) continuing one sequence at cache.lengths[0] -> logits of the last token (1, V).
+    Same contract as kv_cache.forward_cached for batch 1 (prefill T > 1 or decode T = 1)."""
+    B, T = tokens.shape
+    if B != 1:
+        raise ValueError("forward_fast is the batch-1 path; use kv_cache.forward_cached for batches")
+    cfg = model.cfg
+    Hq, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    start = int(cache.lengths[0])
+    end = start + T
+    if end > cache.max_len:
+        raise ValueError(f"KV cache holds {cache.max_len} positions; this step needs {end}")
+    cos = rope.cos[start:end][None, :, None]                              # (1, T, 1, D/2)
+    sin = rope.sin[start:end][None, :, None]
+    h = model.embed(tokens)                                               # (1, T, dim)
+    for i, layer in enumerate(model.layers):
+        qkv = layer.attn.wqkv(layer.attn_norm(h))                         # (1, T, (Hq+2Hkv)*D)
+        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q = _rope(q.view(B, T, Hq, D), cos, sin).transpose(1, 2)          # (1, Hq, T, D)
+        k = _rope(k.view(B, T, Hkv, D), cos, sin).transpose(1, 2)         # (1, Hkv, T, D)
+        cache.k[i, :, :, start:end] = k
+        cache.v[i, :, :, start:end] = v.view(B, T, Hkv, D).transpose(1, 2)
+        keys, values = cache.k[i, :, :, :end], cache.v[i, :, :, :end]     # (1, Hkv, end, D)
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1 and start == 0,
+                                             attn_mask=_prefix_mask(start, T, h.device) if T > 1 and start else None,
+                                             enable_gqa=True)             # (1, Hq, T, D)
+        h = h + layer.attn.wo(out.transpose(1, 2).reshape(B, T, Hq * D))
+        gate, up = layer.ffn.w_gate_up(layer.ffn_norm(h)).chunk(2, dim=-1)  # (1, T, ffn) each
+        h = h + layer.ffn.w_down(F.silu(gate) * up)
+    cache.lengths[0] = end
+    return model.logits(h[:, -1])                                         # (1, V)
+
+
+def _prefix_mask(start: int, T: int, device) -> torch.Tensor:
+    """(T, start + T) bool: query t (at position start + t) sees keys 0..start + t."""
+    return torch.ones(T, start + T, dtype=torch.bool, device=device).tril(diagonal=start)

@@ -1,0 +1,431 @@
+"""Paged KV cache: fixed-size blocks handed out on demand, like pages of virtual memory.
+
+A contiguous KV cache reserves max_model_len token slots per request up front; most of that
+memory holds nothing, because most requests stop long before max_model_len. Paging (vLLM's
+PagedAttention) splits the cache into blocks of `block_size` tokens (16 by default) and gives
+a request one more block only when its last one is full, so at most block_size - 1 slots per
+request are empty. A request's logical token positions map to physical blocks through its
+block table:
+
+    position p  ->  block_table[p // block_size], offset p % block_size
+    slot        =   physical_block * block_size + offset     # a row of the cache viewed flat
+
+The bookkeeping is plain Python (this file, no tensors); the K/V tensors live in the model
+runner as k_cache, v_cache of shape (num_blocks, block_size, Hkv, D) per layer.
+
+API (driven by a scheduler, vLLM v1 style: each request's num_computed_tokens catches up
+with its num_tokens; preemption by recompute is free() and a later allocate()):
+
+    bm = BlockManager(num_blocks, block_size=16, enable_prefix_caching=False)
+    bm.can_allocate(prompt_ids) -> bool
+    bm.allocate(seq_id, prompt_ids) -> num_cached_tokens   # blocks for the whole prompt;
+        # with prefix caching, the leading full blocks another request computed are shared
+        # and their tokens need no prefill (at most len(prompt_ids) - 1 of them)
+    bm.slot_mapping(seq_id, start, end) -> [slot]           # where tokens start..end-1 go
+    bm.mark_computed(seq_id, num_computed_tokens)           # after each forward: the K/V of
+        # those tokens is in the cache; newly full blocks become findable by other requests
+    bm.can_append_slots(seq_id, num_tokens) -> bool           # room to grow to num_tokens?
+    bm.append_slots(seq_id, token_ids) -> [(src, dst)]      # before each forward: grow to
+        # len(token_ids) tokens; a block that is about to be written but is shared with a
+        # fork is copied first (copy-on-write): the runner copies the K/V of src into dst
+    bm.fork(parent_id, child_id)        # the child shares all the parent's blocks (n > 1 sampling)
+    bm.free(seq_id)                     # finished or preempted: blocks back to the pool, tail first
+    bm.block_table(seq_id) -> [block]
+    bm.num_free_blocks
+
+Bad arguments raise ValueError; running out of blocks raises OutOfBlocks (check with
+can_allocate / can_append_slots first, and preempt if they say no).
+
+Below the manager: the torch side, a store through the slot mapping, block copies for
+copy-on-write, and paged attention references (a gather-based one and a tiled split-K twin of
+the Triton kernel in kernels/paged_attention.py).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from minillm.prefix_cache import ROOT_HASH, PrefixCache, chain_hashes
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has fewer free blocks than the request needs: preempt something and retry."""
+
+
+class BlockPool:
+    """Physical blocks 0..num_blocks-1 with reference counts and a free list.
+
+    A block is in exactly one state: held (ref_count > 0), free (never cached, in `_free`), or
+    evictable (ref_count 0 but its K/V is still findable in the prefix cache). Allocation takes
+    a never-cached free block first and evicts the least recently used cached one only when
+    none is left, so cached prefixes live as long as memory allows.
+    """
+
+    def __init__(self, num_blocks: int, prefix_cache: PrefixCache | None = None):
+        self.ref_counts = [0] * num_blocks
+        self._free = deque(range(num_blocks))
+        self.prefix_cache = prefix_cache
+
+    @property
+    def num_free(self) -> int:
+        evictable = self.prefix_cache.num_evictable if self.prefix_cache else 0
+        return len(self._free) + evictable
+
+    def free_block_ids(self) -> list[int]:
+        return list(self._free)
+
+    def allocate(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        elif self.prefix_cache is not None and self.prefix_cache.num_evictable:
+            block = self.prefix_cache.evict()
+        else:
+            raise OutOfBlocks("no free KV block left")
+        self.ref_counts[block] = 1
+        return block
+
+    def acquire(self, block: int) -> None:
+        """One more holder of a block that holds valid K/V (a fork, or a prefix-cache hit)."""
+        if self.ref_counts[block] == 0:
+            if self.prefix_cache is None or not self.prefix_cache.is_evictable(block):
+                raise RuntimeError(f"block {block} is free: nothing valid to share")
+            self.prefix_cache.revive(block)
+        self.ref_counts[block] += 1
+
+    def release(self, block: int) -> None:
+        if self.ref_counts[block] <= 0:
+            raise RuntimeError(f"double free of block {block}")
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if self.prefix_cache is not None and self.prefix_cache.is_cached(block):
+                self.prefix_cache.release(block)        # keep the K/V, evict it later if needed
+            else:
+                self._free.append(block)
+
+
+@dataclass
+class _Sequence:
+    token_ids: list[int]
+    blocks: list[int]                                  # the block table
+    num_computed: int = 0                              # tokens whose K/V is in the cache
+    hashes: list[int] = field(default_factory=list)    # chain hashes of its full blocks so far
+    num_registered: int = 0                            # leading blocks findable in the prefix cache
+
+
+class BlockManager:
+    """Block tables of every live sequence over one BlockPool (see the module docstring)."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False):
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self.pool = BlockPool(num_blocks, self.prefix_cache)
+        self._seqs: dict[object, _Sequence] = {}
+
+    # --- queries ------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def seq_ids(self) -> list:
+        return list(self._seqs)
+
+    def block_table(self, seq_id) -> list[int]:
+        return list(self._get(seq_id).blocks)
+
+    def num_tokens(self, seq_id) -> int:
+        return len(self._get(seq_id).token_ids)
+
+    def num_computed_tokens(self, seq_id) -> int:
+        return self._get(seq_id).num_computed
+
+    def slot_mapping(self, seq_id, start: int, end: int) -> list[int]:
+        """Cache slots of the tokens at positions start..end-1 of a sequence."""
+        seq = self._get(seq_id)
+        if not 0 <= start <= end <= len(seq.token_ids):
+            raise ValueError(f"need 0 <= start <= end <= num_tokens={len(seq.token_ids)}, "
+                             f"got start={start}, end={end}")
+        bs = self.block_size
+        return [seq.blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+    # --- admission ----------------------------------------------------------------------
+    def can_allocate(self, token_ids: Sequence[int]) -> bool:
+        self._check_tokens(token_ids)
+        hits = self._match(token_ids, self._hashes_of(token_ids))
+        return self._blocks_to_allocate(len(token_ids), hits) <= self.num_free_blocks
+
+    def allocate(self, seq_id, token_ids: Sequence[int]) -> int:
+        """Give a new sequence blocks for all its tokens; returns how many are already computed."""
+        if seq_id in self._seqs:
+            raise ValueError(f"seq_id {seq_id!r} is already allocated")
+        self._check_tokens(token_ids)
+        hashes = self._hashes_of(token_ids)
+        hits = self._match(token_ids, hashes)
+        if self._blocks_to_allocate(len(token_ids), hits) > self.num_free_blocks:
+            raise OutOfBlocks(f"seq_id {seq_id!r} needs more blocks than are free")
+        for block in hits:                         # first, so that allocate() cannot evict them
+            self.pool.acquire(block)
+        fresh = [self.pool.allocate() for _ in range(self._num_blocks_for(len(token_ids)) - len(hits))]
+        num_cached = len(hits) * self.block_size
+        self._seqs[seq_id] = _Sequence(list(token_ids), hits + fresh, num_cached, hashes, len(hits))
+        return num_cached
+
+    # --- growth -------------------------------------------------------------------------
+    def can_append_slots(self, seq_id, num_tokens: int) -> bool:
+        """Whether append_slots can grow the sequence to num_tokens tokens in total."""
+        seq = self._get(seq_id)
+        return self._append_cost(seq, num_tokens)[0] <= self.num_free_blocks
+
+    def append_slots(self, seq_id, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Grow a sequence to len(token_ids) tokens (its old tokens followed by the new ones).
+
+        Returns the copy-on-write pairs (src_block, dst_block) whose K/V the runner must copy
+        before the next forward writes into dst.
+        """
+        seq = self._get(seq_id)
+        if len(token_ids) < len(seq.token_ids):
+            raise ValueError(f"token_ids has {len(token_ids)} tokens but seq_id {seq_id!r} already "
+                             f"has {len(seq.token_ids)}: append_slots only grows a sequence")
+        needed, shared = self._append_cost(seq, len(token_ids))
+        if needed > self.num_free_blocks:
+            raise OutOfBlocks(f"seq_id {seq_id!r} needs {needed} blocks, {self.num_free_blocks} free")
+        copies = []
+        for i in shared:                           # copy-on-write: only the writer gets a new block
+            new_block = self.pool.allocate()
+            copies.append((seq.blocks[i], new_block))
+            self.pool.release(seq.blocks[i])
+            seq.blocks[i] = new_block
+        while len(seq.blocks) < self._num_blocks_for(len(token_ids)):
+            seq.blocks.append(self.pool.allocate())
+        seq.token_ids.extend(token_ids[len(seq.token_ids):])
+        return copies
+
+    def mark_computed(self, seq_id, num_computed_tokens: int) -> None:
+        """Record that the K/V of the first num_computed_tokens tokens is in the cache."""
+        seq = self._get(seq_id)
+        if not seq.num_computed <= num_computed_tokens <= len(seq.token_ids):
+            raise ValueError(f"num_computed_tokens must be in [{seq.num_computed}, "
+                             f"{len(seq.token_ids)}] for seq_id {seq_id!r}, got {num_computed_tokens}")
+        seq.num_computed = num_computed_tokens
+        if self.prefix_cache is None:
+            return
+        num_full = num_computed_tokens // self.block_size
+        if len(seq.hashes) < num_full:
+            parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
+            seq.hashes += chain_hashes(seq.token_ids[:num_full * self.block_size], self.block_size,
+                                       start=len(seq.hashes), parent_hash=parent)
+        bs = self.block_size
+        for i in range(seq.num_registered, num_full):
+            parent = seq.hashes[i - 1] if i else ROOT_HASH
+            self.prefix_cache.register(seq.blocks[i], seq.hashes[i], parent,
+                                       seq.token_ids[i * bs:(i + 1) * bs])
+        seq.num_registered = max(seq.num_registered, num_full)
+
+    # --- sharing and release ------------------------------------------------------------
+    def fork(self, parent_id, child_id) -> None:
+        """The child starts as a copy of the parent that shares every block (no K/V copied)."""
+        if child_id in self._seqs:
+            raise ValueError(f"child_id {child_id!r} is already allocated")
+        parent = self._get(parent_id)
+        for block in parent.blocks:
+            self.pool.acquire(block)
+        self._seqs[child_id] = _Sequence(list(parent.token_ids), list(parent.blocks),
+                                         parent.num_computed, list(parent.hashes),
+                                         parent.num_registered)
+
+    def free(self, seq_id) -> None:
+        """Release a finished or preempted sequence's blocks, last block first, so that with
+        prefix caching the tails of prefixes are evicted before their heads."""
+        seq = self._get(seq_id)
+        for block in reversed(seq.blocks):
+            self.pool.release(block)
+        del self._seqs[seq_id]
+
+    # --- helpers ------------------------------------------------------------------------
+    def _get(self, seq_id) -> _Sequence:
+        if seq_id not in self._seqs:
+            raise ValueError(f"unknown seq_id {seq_id!r}")
+        return self._seqs[seq_id]
+
+    @staticmethod
+    def _check_tokens(token_ids) -> None:
+        if len(token_ids) == 0:
+            raise ValueError("token_ids must hold at least one token")
+
+    def _num_blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def _hashes_of(self, token_ids) -> list[int]:
+        return chain_hashes(token_ids, self.block_size) if self.prefix_cache else []
+
+    def _match(self, token_ids, hashes) -> list[int]:
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.match(token_ids, self.block_size, hashes)
+
+    def _blocks_to_allocate(self, num_tokens: int, hits: list[int]) -> int:
+        """Free blocks an allocation consumes: new blocks, plus hits that are now evictable
+        (reviving one takes it out of the free count)."""
+        revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
+        return self._num_blocks_for(num_tokens) - len(hits) + revived
+
+    def _append_cost(self, seq: _Sequence, num_tokens: int) -> tuple[int, list[int]]:
+        """(free blocks needed, indices of shared blocks the next forward writes into)."""
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        first_written = seq.num_computed // self.block_size
+        last = min(len(seq.blocks), self._num_blocks_for(num_tokens))
+        shared = [i for i in range(first_written, last) if self.pool.ref_counts[seq.blocks[i]] > 1]
+        grow = max(0, self._num_blocks_for(num_tokens) - len(seq.blocks))
+        return grow + len(shared), shared
+
+
+# ---------------------------------------------------------------------------------------
+# The torch side. Layout of one layer's cache: k_cache, v_cache (num_blocks, block_size, Hkv, D).
+# Why this order (vLLM's flash-attention layout): a token's K for all heads is one contiguous
+# row of Hkv*D numbers, exactly the (T, Hkv, D) that the K projection produces, so the store is
+# a row scatter and `cache.view(-1, Hkv, D)[slot]` is the token at `slot`; for one head, a
+# block is block_size rows of D contiguous numbers, which the decode kernel loads as a tile.
+# ---------------------------------------------------------------------------------------
+
+def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Zeroed k_cache, v_cache, each (num_blocks, block_size, Hkv, D)."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return (torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device))
+
+
+def block_table_tensor(tables: Sequence[Sequence[int]], device: str | torch.device = "cpu") -> torch.Tensor:
+    """Pad block tables to one (B, max_blocks) int32 tensor (the padding is never read)."""
+    width = max([1, *map(len, tables)])
+    out = torch.zeros(len(tables), width, dtype=torch.int32)
+    for row, table in zip(out, tables):
+        row[:len(table)] = torch.tensor(table, dtype=torch.int32)
+    return out.to(device)
+
+
+def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write k, v (T, Hkv, D) into the caches at slot_mapping (T,); slot -1 is padding, skipped."""
+    keep = slot_mapping >= 0                                        # (T,)
+    slots = slot_mapping[keep].long()                               # (T',)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, copies: Sequence[tuple[int, int]]) -> None:
+    """Carry out BlockManager.append_slots' copy-on-write pairs (src, dst) on one layer's cache."""
+    if not copies:
+        return
+    src = torch.tensor([s for s, _ in copies], device=k_cache.device)
+    dst = torch.tensor([d for _, d in copies], device=k_cache.device)
+    k_cache[dst] = k_cache[src]
+    v_cache[dst] = v_cache[src]
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
+    """One sequence's K, V as contiguous (seq_len, Hkv, D) tensors (a copy)."""
+    block_size = k_cache.shape[1]
+    blocks = block_table[:math.ceil(seq_len / block_size)].long()   # (nb,)
+    k = k_cache[blocks].flatten(0, 1)[:seq_len]                     # (L, Hkv, D)
+    v = v_cache[blocks].flatten(0, 1)[:seq_len]                     # (L, Hkv, D)
+    return k, v
+
+
+def check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be (B, Hq, D), got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must both be (num_blocks, block_size, Hkv, D), got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    B, Hq, D = q.shape
+    if k_cache.shape[3] != D:
+        raise ValueError(f"head_dim of q ({D}) and k_cache ({k_cache.shape[3]}) differ")
+    if Hq % k_cache.shape[2]:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({k_cache.shape[2]})")
+    if block_tables.dim() != 2 or block_tables.shape[0] != B or tuple(seq_lens.shape) != (B,):
+        raise ValueError(f"block_tables must be (B={B}, max_blocks) and seq_lens (B={B},), got "
+                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                              sm_scale: float) -> torch.Tensor:
+    """Decode attention over a paged cache, the simple way: gather, then plain softmax.
+
+    q (B, Hq, D): one new token per sequence; block_tables (B, max_blocks); seq_lens (B,)
+    tokens in the cache for each sequence (0 gives a zero output). Query head h reads KV
+    head h // (Hq // Hkv). Computed in fp32, returned as (B, Hq, D) in q's dtype.
+    """
+    check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens)
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.zeros_like(q)                                        # (B, Hq, D)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        k, v = gather_kv(k_cache, v_cache, block_tables[b], seq_len)     # (L, Hkv, D)
+        k = k.float().repeat_interleave(group, dim=1)                    # (L, Hq, D)
+        v = v.float().repeat_interleave(group, dim=1)                    # (L, Hq, D)
+        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * sm_scale  # (Hq, L)
+        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def paged_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+                          num_splits: int = 1, tile: int = 16) -> torch.Tensor:
+    """The Triton decode kernel's algorithm in PyTorch (its twin: same tiles, same merge).
+
+    For each sequence and KV head, the query heads that share the KV head form one
+    (group, D) tile. The sequence is cut into num_splits segments (flash-decoding: more
+    parallel work when the batch is small and the context long); each segment walks its
+    positions `tile` at a time, looks each position's block up in the block table (no
+    gather of the whole sequence), and keeps an online softmax (running max m, sum l,
+    accumulator acc). Segments are merged through their log-sum-exp.
+    """
+    check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    B, Hq, D = q.shape
+    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hkv
+    out = torch.zeros_like(q)                                            # (B, Hq, D)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        qg = q[b].float().view(Hkv, group, D) * sm_scale                 # (Hkv, G, D)
+        seg_len = math.ceil(math.ceil(seq_len / num_splits) / tile) * tile
+        partials, lses = [], []
+        for start in range(0, seq_len, max(seg_len, 1)):
+            m = torch.full((Hkv, group), -math.inf)                      # running max
+            l = torch.zeros(Hkv, group)                                  # running sum of exp
+            acc = torch.zeros(Hkv, group, D)                             # running sum of p @ v
+            for t0 in range(start, min(start + seg_len, seq_len), tile):
+                pos = torch.arange(t0, min(t0 + tile, seq_len, start + seg_len))   # (N,)
+                blocks = block_tables[b, pos // block_size].long()      # (N,) the page walk
+                k = k_cache[blocks, pos % block_size].float()            # (N, Hkv, D)
+                v = v_cache[blocks, pos % block_size].float()            # (N, Hkv, D)
+                s = torch.einsum("hgd,nhd->hgn", qg, k)                  # (Hkv, G, N)
+                m_new = torch.maximum(m, s.amax(-1))                     # (Hkv, G)
+                p = torch.exp(s - m_new[..., None])                      # (Hkv, G, N)
+                alpha = torch.exp(m - m_new)                             # rescales the old state
+                l = l * alpha + p.sum(-1)
+                acc = acc * alpha[..., None] + torch.einsum("hgn,nhd->hgd", p, v)
+                m = m_new
+            partials.append(acc / l[..., None])                          # (Hkv, G, D) normalised
+            lses.append(m + torch.log(l))                                # (Hkv, G)
+        if not partials:
+            continue                                                     # seq_len 0: zeros
+        lse = torch.stack(lses)                                          # (S, Hkv, G)
+        weights = torch.exp(lse - lse.amax(0))                           # exp(lse_i - lse_max)
+        merged = (weights[..., None] * torch.stack(partials)).sum(0) / weights.sum(0)[..., None]
+        out[b] = merged.view(Hq, D).to(q.dtype)
+    return out
