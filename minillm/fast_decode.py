@@ -88,9 +88,17 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 @torch.no_grad()
-def forward_fast(model: Llama, tokens: torch.Tensor, cache: KVCache, rope: RopeTable) -> torch.Tensor:
+def forward_fast(model: Llama, tokens: torch.Tensor, cache: KVCache, rope: RopeTable,
+                 prefill_attention: str = "sdpa") -> torch.Tensor:
     """tokens (1, T) continuing one sequence at cache.lengths[0] -> logits of the last token (1, V).
-    Same contract as kv_cache.forward_cached for batch 1 (prefill T > 1 or decode T = 1)."""
+    Same contract as kv_cache.forward_cached for batch 1 (prefill T > 1 or decode T = 1).
+    prefill_attention: "sdpa" (torch's fused attention) or "flash" (lesson 05's FlashAttention,
+    used for steps with T > 1; a decode step is one query row and always uses sdpa)."""
+    if prefill_attention not in ("sdpa", "flash"):
+        raise ValueError(f"prefill_attention = {prefill_attention!r}; allowed: 'sdpa', 'flash'")
+    use_flash = prefill_attention == "flash" and tokens.shape[1] > 1
+    if use_flash:
+        from .flash_attention import flash_attention
     B, T = tokens.shape
     if B != 1:
         raise ValueError("forward_fast is the batch-1 path; use kv_cache.forward_cached for batches")
@@ -111,9 +119,12 @@ def forward_fast(model: Llama, tokens: torch.Tensor, cache: KVCache, rope: RopeT
         cache.k[i, :, :, start:end] = k
         cache.v[i, :, :, start:end] = v.view(B, T, Hkv, D).transpose(1, 2)
         keys, values = cache.k[i, :, :, :end], cache.v[i, :, :, :end]     # (1, Hkv, end, D)
-        out = F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1 and start == 0,
-                                             attn_mask=_prefix_mask(start, T, h.device) if T > 1 and start else None,
-                                             enable_gqa=True)             # (1, Hq, T, D)
+        if use_flash:                                                     # causal with offset start
+            out = flash_attention(q, keys, values, causal=True)           # (1, Hq, T, D)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1 and start == 0,
+                                                 attn_mask=_prefix_mask(start, T, h.device) if T > 1 and start else None,
+                                                 enable_gqa=True)         # (1, Hq, T, D)
         h = h + layer.attn.wo(out.transpose(1, 2).reshape(B, T, Hq * D))
         gate, up = layer.ffn.w_gate_up(layer.ffn_norm(h)).chunk(2, dim=-1)  # (1, T, ffn) each
         h = h + layer.ffn.w_down(F.silu(gate) * up)

@@ -29,3 +29,47 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         scores = scores.view(B, Hkv, G * T, S)
     probs = scores.float().softmax(dim=-1).type_as(v)                 # (B, Hkv, G*T, S)
     return (probs @ v).view(B, Hq, T, D)                              # (B, Hq, T, D)
+
+
+# ---- MHA -> GQA / MQA conversion (Ainslie et al. 2023, "GQA: Training Generalized Multi-Query
+# Transformer Models from Multi-Head Checkpoints") ------------------------------------------------
+
+def mean_pool_kv_heads(weight: torch.Tensor, n_kv_heads: int, new_kv_heads: int) -> torch.Tensor:
+    """K or V projection rows (n_kv_heads * D, ...) -> (new_kv_heads * D, ...): each new head is
+    the mean of the old heads in its group. Works for weights (rows, dim) and biases (rows,)."""
+    if n_kv_heads % new_kv_heads:
+        raise ValueError(f"new_kv_heads ({new_kv_heads}) must divide n_kv_heads ({n_kv_heads})")
+    D = weight.shape[0] // n_kv_heads
+    grouped = weight.reshape(new_kv_heads, n_kv_heads // new_kv_heads, D, *weight.shape[1:])
+    return grouped.mean(dim=1).reshape(new_kv_heads * D, *weight.shape[1:])
+
+
+@torch.no_grad()
+def convert_kv_heads(model, new_kv_heads: int):
+    """Return a copy of `model` whose attention has `new_kv_heads` K/V heads (1 = MQA).
+    Without uptraining the model loses quality: the lesson measures how much."""
+    import copy
+    from dataclasses import replace
+
+    import torch.nn as nn
+
+    cfg = model.cfg
+    if new_kv_heads < 1 or cfg.n_heads % new_kv_heads:
+        raise ValueError(f"new_kv_heads must divide n_heads ({cfg.n_heads}); got {new_kv_heads}")
+    new = copy.deepcopy(model)
+    new.cfg = replace(cfg, n_kv_heads=new_kv_heads)
+    for layer in new.layers:
+        attn = layer.attn
+        for name in ("wk", "wv"):
+            old = getattr(attn, name)
+            lin = nn.Linear(cfg.dim, new_kv_heads * cfg.head_dim, bias=old.bias is not None,
+                            dtype=old.weight.dtype, device=old.weight.device)
+            lin.weight.copy_(mean_pool_kv_heads(old.weight, cfg.n_kv_heads, new_kv_heads))
+            if old.bias is not None:
+                lin.bias.copy_(mean_pool_kv_heads(old.bias, cfg.n_kv_heads, new_kv_heads))
+            setattr(attn, name, lin)
+        attn.n_kv_heads = new_kv_heads
+        for fused in ("wqkv",):                  # a fused projection would still hold the old heads
+            if hasattr(attn, fused):
+                delattr(attn, fused)
+    return new

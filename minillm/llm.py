@@ -54,9 +54,13 @@ class Request:
 
 class LLM:
     def __init__(self, model: str = "smollm2", dtype: str = "float32", device: str = "auto",
-                 max_model_len: int = 2048):
+                 max_model_len: int = 2048, attention_backend: str = "sdpa"):
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len = {max_model_len!r} is invalid; allowed: an integer >= 2")
+        if attention_backend not in ("sdpa", "flash"):
+            raise ValueError(f"attention_backend = {attention_backend!r} is not supported; allowed: "
+                             f"'sdpa' (torch's fused attention), 'flash' (minillm's FlashAttention for prefill)")
+        self.attention_backend = attention_backend
         self.device = resolve_device(device)
         self.model, self.tokenizer = load_model(model, dtype=dtype, device=self.device)
         self.config = self.model.cfg
@@ -174,7 +178,7 @@ class LLM:
         room = min(self.max_model_len, len(req.prompt_token_ids) + req.params.max_tokens)
         cache = KVCache(self.config, 1, room, self.model.embed.weight.dtype, self.device)
         fast = is_fused(self.model)
-        step = (lambda t: forward_fast(self.model, t, cache, self.rope)) if fast else \
+        step = (lambda t: forward_fast(self.model, t, cache, self.rope, self.attention_backend)) if fast else \
                (lambda t: forward_cached(self.model, t, cache))
         prompt = torch.tensor([req.prompt_token_ids], device=self.device)     # (1, T)
         if req.params.prompt_logprobs is not None:

@@ -103,6 +103,20 @@ def naive_attention(q, k, v, causal: bool = True):
     return (probs @ v.float()).type_as(q)                    # (B, Hq, T, hd)
 
 
+ATTENTION_BACKENDS = ("naive", "flash")
+
+
+def attention_function(backend: str):
+    """"naive" materialises the score matrix (above); "flash" is lesson 05's tiled online softmax
+    (minillm/flash_attention.py: the Triton kernel where it can run, its PyTorch twin elsewhere)."""
+    if backend == "naive":
+        return naive_attention
+    if backend == "flash":
+        from .flash_attention import flash_attention
+        return flash_attention
+    raise ValueError(f"attention_backend = {backend!r} is not supported; allowed: {', '.join(ATTENTION_BACKENDS)}")
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -120,10 +134,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin):                          # x: (B, T, dim)
+    def forward(self, x, cos, sin, attend=naive_attention):  # x: (B, T, dim)
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
-        out = naive_attention(q, k, v, causal=True)          # (B, Hq, T, hd)
+        out = attend(q, k, v, causal=True)                   # (B, Hq, T, hd)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -146,8 +160,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, x, cos, sin):                          # (B, T, dim)
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x, cos, sin, attend=naive_attention):  # (B, T, dim)
+        x = x + self.attn(self.attn_norm(x), cos, sin, attend)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -164,8 +178,9 @@ class Llama(nn.Module):
         h = self.norm(h)
         return F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, attention_backend: str = "naive") -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab). Positions are 0..T-1."""
+        attend = attention_function(attention_backend)
         B, T = tokens.shape
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {T} tokens exceeds the model's max_seq_len {self.cfg.max_seq_len}")
@@ -173,7 +188,7 @@ class Llama(nn.Module):
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)  # (T, hd/2)
         h = self.embed(tokens)                               # (B, T, dim)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, attend)
         return self.logits(h)
 
 

@@ -1,0 +1,100 @@
+CELLS = [
+("md", r"""
+# 02 · KV cache, prefill vs decode, fast batch-1 decode
+
+*Lesson: [lessons/02-kv-cache.md](../lessons/02-kv-cache.md).* Interview questions:
+**Prefill 和 Decode 两个阶段的 trade-off 各是什么？** and **KV Cache 显存怎么算？**
+
+Run with `MINILLM_QUICK=1` for a fast CPU pass; unset for the full measurements.
+"""),
+("code", r"""
+import os, time
+import torch
+import matplotlib.pyplot as plt
+from minillm.loader import load_model
+from minillm.kv_cache import KVCache, forward_cached, generate_greedy, generate_greedy_naive, kv_cache_bytes
+from minillm.benchmarks.common import machine_info, time_median
+from minillm.benchmarks.kv_cache import step_latency, prefill_decode
+QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
+device = "cuda" if torch.cuda.is_available() else "cpu"
+print(machine_info())
+model, tok = load_model("smollm2", dtype="float32", device=device)
+"""),
+("md", r"""
+## 1. Same tokens, less work
+
+Step *t* of decoding needs the keys and values of all earlier tokens. They never change, so we keep
+them: the baseline recomputes them every step, the cached path computes only the new token's.
+"""),
+("code", r"""
+prompt = tok.encode("The three laws of robotics are")
+n = 16 if QUICK else 64
+naive = generate_greedy_naive(model, prompt, n)
+cached = generate_greedy(model, [prompt], n)[0]
+print("identical:", naive == cached)
+print(tok.decode(cached))
+"""),
+("md", r"""
+## 2. Cost of one token against its position: quadratic vs flat
+
+Without a cache the token at position *p* costs a forward pass over *p + 1* tokens; with it, one token
+attending to *p* stored keys.
+"""),
+("code", r"""
+positions = [16, 64] if QUICK else [32, 128, 256, 512, 1024]
+no_cache = [1e3 * step_latency(model, p, cached=False) for p in positions]
+cache = [1e3 * step_latency(model, p, cached=True) for p in positions]
+for p, a, b in zip(positions, no_cache, cache):
+    print(f"position {p:5d}: no cache {a:8.1f} ms   cache {b:6.1f} ms   x{a/b:5.1f}")
+plt.figure(figsize=(6, 3.2)); plt.plot(positions, no_cache, "o-", label="no cache"); plt.plot(positions, cache, "o-", label="KV cache")
+plt.xlabel("position"); plt.ylabel("ms per token"); plt.legend(); plt.tight_layout(); plt.show()
+"""),
+("md", r"""
+## 3. What the cache costs: the article's formula
+
+KV bytes = 2 (K and V) × layers × kv_heads × head_dim × seq_len × batch × dtype_bytes.
+"""),
+("code", r"""
+per_token = kv_cache_bytes(32, 32, 128, 1, 1, 2)
+print(f"Llama-7B fp16: {per_token/1024:.0f} KiB/token, {kv_cache_bytes(32,32,128,1000,1,2)/2**30:.2f} GiB at 1000 tokens, "
+      f"{kv_cache_bytes(32,32,128,100_000,1,2)/2**30:.1f} GiB at 100K tokens")
+cfg = model.cfg
+c = KVCache(cfg, 4, 1024)
+print(f"SmolLM2 fp32, batch 4 x 1024: allocated {c.nbytes/1e6:.1f} MB, formula {kv_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 1024, 4, 4)/1e6:.1f} MB")
+print(f"SmolLM2 weights fp32: {cfg.num_parameters()*4/1e6:.0f} MB; the cache passes them at "
+      f"{cfg.num_parameters()*4 / kv_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 1, 1, 4):.0f} tokens")
+del c
+"""),
+("md", r"""
+## 4. Prefill vs decode: two different workloads
+
+Prefill pushes many tokens through each weight (matrix × matrix): it runs near the machine's FLOP/s.
+Decode pushes one token per sequence through each weight (matrix × vector): it runs near the memory
+bandwidth, and batching decodes is how to use the idle FLOPs.
+"""),
+("code", r"""
+shapes = [(1, 64), (8, 64)] if QUICK else [(1, 128), (1, 512), (1, 2048), (16, 128), (16, 512)]
+rows = [prefill_decode(model, b, L, 4 if QUICK else 16) for b, L in shapes]
+for r in rows:
+    print(f"batch {r['batch']:2d} prompt {r['prompt_len']:5d}: prefill {r['prefill_tok_s']:8.0f} tok/s ({r['prefill_GFLOPs']:5.0f} GFLOP/s)   "
+          f"decode {r['decode_tok_s']:6.1f} tok/s ({r['decode_GBps']:5.1f} GB/s, {r['decode_GFLOPs']:5.1f} GFLOP/s)")
+"""),
+("md", r"""
+## 5. Fast batch-1 decode
+
+`minillm/fast_decode.py` keeps the math and removes overhead: fused q/k/v and gate/up projections, a
+precomputed RoPE table, torch's fused attention. Same tokens, fewer launches.
+"""),
+("code", r"""
+from minillm import LLM, SamplingParams
+llm = LLM(model="smollm2", dtype="float32", device=device)
+ids = llm.get_tokenizer().encode("Write a detailed essay about the printing press.")
+n = 16 if QUICK else 128
+p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+fast = llm.generate([{"prompt_token_ids": ids}], p, use_tqdm=False)[0].outputs[0].token_ids
+print("fast path == cached baseline:", fast == generate_greedy(llm.model, [ids], n)[0])
+t_fast = time_median(lambda: llm.generate([{"prompt_token_ids": ids}], p, use_tqdm=False), repeats=3, device=device)
+t_plain = time_median(lambda: generate_greedy(llm.model, [ids], n), repeats=3, device=device)
+print(f"cached, unfused: {n/t_plain:.1f} tok/s   fast path: {n/t_fast:.1f} tok/s")
+"""),
+]
