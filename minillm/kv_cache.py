@@ -62,6 +62,9 @@ def forward_cached(model: Llama, tokens: torch.Tensor, cache: KVCache, num_new: 
     cfg = model.cfg
     if num_new is None:
         num_new = torch.full((B,), T, dtype=torch.long, device=tokens.device)
+    if cache.k.shape[2] != cfg.n_kv_heads or cache.k.shape[0] != cfg.n_layers:
+        raise ValueError(f"KV cache was built for {cache.k.shape[0]} layers x {cache.k.shape[2]} KV heads; "
+                         f"the model has {cfg.n_layers} x {cfg.n_kv_heads}")
     start = cache.lengths                                                # (B,)
     if int((start + T).max()) > cache.max_len:
         raise ValueError(f"KV cache holds {cache.max_len} positions; this step needs {int((start + T).max())}")

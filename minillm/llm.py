@@ -63,13 +63,17 @@ class LLM:
         self.attention_backend = attention_backend
         self.device = resolve_device(device)
         self.model, self.tokenizer = load_model(model, dtype=dtype, device=self.device)
-        self.config = self.model.cfg
         if max_model_len > self.config.max_seq_len:
             raise ValueError(f"max_model_len = {max_model_len} exceeds the model's context of "
                              f"{self.config.max_seq_len} tokens; allowed: 2..{self.config.max_seq_len}")
         self.max_model_len = max_model_len
         fuse_projections(self.model)          # views: the baseline modules see the same weights
         self.rope = RopeTable(self.config.head_dim, self.config.rope_theta, max_model_len, self.device)
+
+    @property
+    def config(self):
+        """The running model's config (follows llm.model if it is swapped, e.g. for a converted model)."""
+        return self.model.cfg
 
     def get_tokenizer(self):
         return self.tokenizer

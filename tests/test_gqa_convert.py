@@ -32,3 +32,25 @@ def test_mqa_model_runs_cached_equal_to_its_own_baseline():
 def test_bad_head_count():
     with pytest.raises(ValueError, match="must divide"):
         convert_kv_heads(random_model(tiny_config()), 4)
+
+
+def test_cache_built_for_other_heads_is_refused():
+    from minillm.kv_cache import forward_cached
+
+    mqa = convert_kv_heads(random_model(tiny_config(), seed=6), 1)
+    with pytest.raises(ValueError, match="KV heads"):
+        forward_cached(mqa, torch.zeros(1, 3, dtype=torch.long), KVCache(tiny_config(), 1, 8))
+
+
+def test_llm_with_a_converted_model_uses_its_config(llm):
+    """Regression: LLM allocated its cache from the config it loaded, not from the model it runs."""
+    from minillm import SamplingParams
+
+    base = llm.model
+    try:
+        llm.model = convert_kv_heads(base, 1)
+        ids = llm.get_tokenizer().encode("The capital of France is")
+        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == generate_greedy_naive(llm.model, ids, 8)
+    finally:
+        llm.model = base
