@@ -135,3 +135,21 @@ def forward_fast(model: Llama, tokens: torch.Tensor, cache: KVCache, rope: RopeT
 def _prefix_mask(start: int, T: int, device) -> torch.Tensor:
     """(T, start + T) bool: query t (at position start + t) sees keys 0..start + t."""
     return torch.ones(T, start + T, dtype=torch.bool, device=device).tril(diagonal=start)
+
+
+@torch.no_grad()
+def generate_greedy_fast(model: Llama, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy batch-1 decoding on the fast path (fuses the model's projections if needed)."""
+    if not is_fused(model):
+        fuse_projections(model)
+    device = model.embed.weight.device
+    total = len(prompt) + max_new_tokens
+    cache = KVCache(model.cfg, 1, total, model.embed.weight.dtype, device)
+    rope = RopeTable(model.cfg.head_dim, model.cfg.rope_theta, total, device)
+    logits = forward_fast(model, torch.tensor([prompt], device=device), cache, rope)   # (1, V)
+    out = []
+    for step in range(max_new_tokens):
+        out.append(int(logits.argmax()))
+        if step + 1 < max_new_tokens:
+            logits = forward_fast(model, torch.tensor([[out[-1]]], device=device), cache, rope)
+    return out

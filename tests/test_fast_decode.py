@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 from minillm import SamplingParams
-from minillm.fast_decode import RopeTable, forward_fast, fuse_projections, is_fused
+from minillm.fast_decode import RopeTable, forward_fast, fuse_projections, generate_greedy_fast, is_fused
 from minillm.kv_cache import KVCache, generate_greedy, generate_greedy_naive
 from minillm.model import random_model, tiny_config
 
@@ -31,6 +31,7 @@ def test_tiny_fast_equals_naive(chunk):
     fuse_projections(model)
     assert is_fused(model)
     assert _fast_greedy(model, prompt, 64, (chunk,)) == ref
+    assert generate_greedy_fast(model, prompt, 64) == ref
 
 
 def test_fused_weights_are_views_not_copies():

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import roofline
-from ..kv_cache import generate_greedy, generate_greedy_naive
+from ..fast_decode import generate_greedy_fast
+from ..kv_cache import generate_greedy_naive
 from ..loader import load_model
 from .common import document, time_median
 
@@ -47,7 +48,7 @@ def run(quick: bool) -> dict:
         # the naive baseline only in fp32: it is the reference, and minutes slower in bf16 on CPU
         t_naive = (time_median(lambda: generate_greedy_naive(model, prompt, new_tokens), repeats=1)
                    if dtype_name == "float32" else float("nan"))
-        t_cached = time_median(lambda: generate_greedy(model, [prompt], new_tokens), repeats=repeats)
+        t_cached = time_median(lambda: generate_greedy_fast(model, prompt, new_tokens), repeats=repeats)
         t_floor = time_median(lambda: weights_only_step(model), repeats=20)
         row = {
             "dtype": dtype_name, "params_M": model.cfg.num_parameters() / 1e6, "weight_MB": wbytes / 1e6,
