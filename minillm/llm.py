@@ -54,7 +54,19 @@ class Request:
 
 class LLM:
     def __init__(self, model: str = "smollm2", dtype: str = "float32", device: str = "auto",
-                 max_model_len: int = 2048, attention_backend: str = "sdpa"):
+                 max_model_len: int = 2048, attention_backend: str = "sdpa",
+                 quantization: str | None = None, speculative_method: str | None = None,
+                 num_speculative_tokens: int = 5):
+        from .quant import METHODS as QUANT_METHODS
+
+        if quantization not in (None, *QUANT_METHODS):
+            raise ValueError(f"quantization = {quantization!r} is not supported; allowed: None, "
+                             f"{', '.join(map(repr, QUANT_METHODS))}")
+        if speculative_method is not None:
+            from .speculative import check_args
+            check_args(speculative_method, num_speculative_tokens)
+        self.speculative_method = speculative_method
+        self.num_speculative_tokens = num_speculative_tokens
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len = {max_model_len!r} is invalid; allowed: an integer >= 2")
         if attention_backend not in ("sdpa", "flash"):
@@ -67,8 +79,19 @@ class LLM:
             raise ValueError(f"max_model_len = {max_model_len} exceeds the model's context of "
                              f"{self.config.max_seq_len} tokens; allowed: 2..{self.config.max_seq_len}")
         self.max_model_len = max_model_len
-        fuse_projections(self.model)          # views: the baseline modules see the same weights
+        if quantization is not None:
+            self._quantize(quantization)
+        else:
+            fuse_projections(self.model)      # views: the baseline modules see the same weights
         self.rope = RopeTable(self.config.head_dim, self.config.rope_theta, max_model_len, self.device)
+
+    def _quantize(self, method: str) -> None:
+        """Weight-only quantisation of every linear layer (lesson 04); GPTQ and AWQ calibrate on
+        evaluate.calibration_text(), which the perplexity evaluation never sees."""
+        from .quant import calibration_windows, quantize_model
+
+        ids = calibration_windows(self.tokenizer) if method in ("gptq", "awq") else None
+        quantize_model(self.model, method, calibration_ids=ids)
 
     @property
     def config(self):
@@ -179,6 +202,10 @@ class LLM:
     @torch.no_grad()
     def stream_request(self, req: Request) -> Iterator[str]:
         """Run one request to completion, yielding its new visible text after every token."""
+        if self.speculative_method is not None:
+            from .speculative import speculative_stream
+            yield from speculative_stream(self, req, self.speculative_method, self.num_speculative_tokens)
+            return
         room = min(self.max_model_len, len(req.prompt_token_ids) + req.params.max_tokens)
         cache = KVCache(self.config, 1, room, self.model.embed.weight.dtype, self.device)
         fast = is_fused(self.model)

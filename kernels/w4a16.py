@@ -1,0 +1,119 @@
+"""W4A16: fused 4-bit dequantise + matmul in Triton. Plain-PyTorch twin (same tiling):
+minillm/quant/w4a16.py:w4a16_matmul_torch.
+
+Grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)). A program owns a (BLOCK_M, BLOCK_N) tile of y and
+walks K in tiles of BLOCK_K columns, each inside one quantisation group. Per K tile it loads
+    the packed bytes (BLOCK_N, BLOCK_K/2) uint8: high nibble = even column, low = odd column,
+    the group's scale (BLOCK_N,) (and zero point, or it looks codes up in the 16-entry NF4 table),
+    x's even and odd columns (BLOCK_M, BLOCK_K/2) each,
+dequantises in registers and accumulates two dots in fp32. Weights cross the memory bus as 4-bit
+codes only. MODE: 0 int4 symmetric (z = 8), 1 int4 with zero points, 2 NF4.
+
+Interpreter note: tl.dot on bf16 operands is wrong under TRITON_INTERPRET=1 (triton #11584), so
+the interpreted path upcasts to fp32 before the dots (UPCAST); on a GPU the dots run in x's dtype.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from minillm.quant.w4a16 import MODES, operands, supports, tile_k  # noqa: F401  (supports: used by QuantLinear)
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _w4a16_kernel(X, P, S, Z, CODE, Y, M, N, K,
+                  stride_xm, stride_xk, stride_pn, stride_pk, stride_sn, stride_sg, stride_ym, stride_yn,
+                  GROUP: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                 # (BM,) rows of x and y
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                 # (BN,) rows of W, columns of y
+    offs_b = tl.arange(0, BLOCK_K // 2)                              # (BK/2,) byte = column pair in the tile
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        pair = k0 // 2 + offs_b                                      # (BK/2,) byte index in the row
+        k_ok = pair < K // 2
+        byte = tl.load(P + offs_n[:, None] * stride_pn + pair[None, :] * stride_pk,
+                       mask=n_ok[:, None] & k_ok[None, :], other=0)  # (BN, BK/2) uint8
+        hi = (byte >> 4).to(tl.int32)                                # even columns
+        lo = (byte & 0xF).to(tl.int32)                               # odd columns
+        g = k0 // GROUP                                              # the tile's group
+        s = tl.load(S + offs_n * stride_sn + g * stride_sg, mask=n_ok, other=0.0).to(tl.float32)  # (BN,)
+        if MODE == 2:                                                # NF4: look the codes up
+            w_even = tl.load(CODE + hi) * s[:, None]
+            w_odd = tl.load(CODE + lo) * s[:, None]
+        else:
+            if MODE == 1:
+                z = tl.load(Z + offs_n * stride_sn + g * stride_sg, mask=n_ok, other=0).to(tl.float32)  # (BN,)
+            else:
+                z = tl.full((BLOCK_N,), 8.0, tl.float32)
+            w_even = (hi.to(tl.float32) - z[:, None]) * s[:, None]   # (BN, BK/2)
+            w_odd = (lo.to(tl.float32) - z[:, None]) * s[:, None]
+        x_ptrs = X + offs_m[:, None] * stride_xm + (2 * pair)[None, :] * stride_xk
+        x_ok = m_ok[:, None] & k_ok[None, :]
+        x_even = tl.load(x_ptrs, mask=x_ok, other=0.0)               # (BM, BK/2)
+        x_odd = tl.load(x_ptrs + stride_xk, mask=x_ok, other=0.0)
+        if UPCAST:
+            x_even = x_even.to(tl.float32)
+            x_odd = x_odd.to(tl.float32)
+        else:                                                        # the weights take x's dtype (W4A16)
+            w_even = w_even.to(x_even.dtype)
+            w_odd = w_odd.to(x_even.dtype)
+        acc = tl.dot(x_even, tl.trans(w_even), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(x_odd, tl.trans(w_odd), acc, input_precision=DOT_PRECISION)
+    y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+                 code: torch.Tensor | None = None, *, group: int, block_m: int | None = None,
+                 block_n: int | None = None) -> torch.Tensor:
+    """x (M, K) fp32/fp16/bf16, packed uint8 (N, K/2), scale (N, ceil(K/group)), zero (like scale) or None,
+    code (16,) float32 for NF4 -> y (M, N) in x.dtype."""
+    if INTERPRETED and x.device.type != "cpu":
+        raise ValueError(f"TRITON_INTERPRET=1 runs kernels on CPU tensors only, got device {x.device}")
+    if not INTERPRETED and x.device.type != "cuda":
+        raise ValueError(f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 for CPU), got device {x.device}")
+    M, K = x.shape
+    N = packed.shape[0]
+    if packed.shape[1] * 2 != K or K % 2:
+        raise ValueError(f"packed has {packed.shape[1]} bytes per row, x has K = {K} columns: need K = 2 * bytes")
+    block_k = tile_k(group)
+    mode = MODES["nf4"] if code is not None else MODES["int-zero"] if zero is not None else MODES["int-sym"]
+    block_m = block_m or (16 if M <= 16 else 64)
+    block_n = block_n or (32 if INTERPRETED else 64)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    dummy = scale                                                    # unused pointer for absent operands
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _w4a16_kernel[grid](
+        x, packed, scale, zero if zero is not None else dummy, code if code is not None else dummy, y, M, N, K,
+        x.stride(0), x.stride(1), packed.stride(0), packed.stride(1), scale.stride(0), scale.stride(1),
+        y.stride(0), y.stride(1),
+        GROUP=group, MODE=mode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=INTERPRETED and x.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+    )
+    return y
+
+
+def w4a16_linear(x: torch.Tensor, layer) -> torch.Tensor:
+    """QuantLinear forward with the fused kernel: x (..., in) -> (..., out)."""
+    ops = operands(layer)
+    x2 = x.reshape(-1, x.shape[-1])                                  # (M, K)
+    if ops["perm"] is not None:                                      # act-order codes: permute x instead of W
+        x2 = x2[:, ops["perm"].long()]
+    zero = ops["zero"]
+    if zero is not None and zero.stride() != ops["scale"].stride():
+        zero = zero.contiguous()
+    y = w4a16_matmul(x2.contiguous(), ops["packed"], ops["scale"].contiguous(), zero, ops["code"], group=ops["group"])
+    if layer.bias is not None:
+        y = y + layer.bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], -1)
