@@ -149,9 +149,11 @@ class LLM:
 
     # ---- one step of a request: shared by every runner ---------------------------------------
 
-    def append_token(self, req: Request, logits: torch.Tensor) -> str:
-        """Sample from logits (V,), append, update text/stop state. Returns the new visible text."""
-        token = sample(logits, req.params, req.generator)
+    def append_token(self, req: Request, logits: torch.Tensor, token: int | None = None) -> str:
+        """Sample from logits (V,) (or take `token`, chosen by a verifier), append, update
+        text/stop state. Returns the new visible text. logits feed the logprobs either way."""
+        if token is None:
+            token = sample(logits, req.params, req.generator)
         now = time.time()
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
