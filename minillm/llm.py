@@ -11,52 +11,32 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
 from .fast_decode import RopeTable, forward_fast, fuse_projections, is_fused
 from .kv_cache import KVCache, forward_cached
+from .engine import Engine, check_engine_args
 from .loader import load_model, resolve_device
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .request import Request
 from .sampling import SamplingParams, make_generator, sample
 
 _request_counter = itertools.count()
-
-
-@dataclass
-class Request:
-    """One prompt in flight: its tokens so far and everything needed to finish it."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    metrics: RequestMetrics
-    output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[dict[int, Logprob]] | None = None
-    prompt_logprobs: list | None = None
-    cumulative_logprob: float = 0.0
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    emitted: int = 0                       # characters of text already streamed
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class LLM:
     def __init__(self, model: str = "smollm2", dtype: str = "float32", device: str = "auto",
                  max_model_len: int = 2048, attention_backend: str = "sdpa",
                  quantization: str | None = None, speculative_method: str | None = None,
-                 num_speculative_tokens: int = 5):
+                 num_speculative_tokens: int = 5, block_size: int = 16, num_kv_blocks: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
+                 tokenizer=None):
+        """model: "smollm2", a .gguf path or an HF folder; or an already-built minillm Llama
+        module together with its `tokenizer` (tests use a tiny random model this way)."""
+        from .model import Llama
         from .quant import METHODS as QUANT_METHODS
 
         if quantization not in (None, *QUANT_METHODS):
@@ -74,7 +54,12 @@ class LLM:
                              f"'sdpa' (torch's fused attention), 'flash' (minillm's FlashAttention for prefill)")
         self.attention_backend = attention_backend
         self.device = resolve_device(device)
-        self.model, self.tokenizer = load_model(model, dtype=dtype, device=self.device)
+        if isinstance(model, Llama):
+            if tokenizer is None:
+                raise ValueError("a Llama module as model needs its tokenizer: LLM(model=net, tokenizer=tok)")
+            self.model, self.tokenizer = model.to(self.device).eval(), tokenizer
+        else:
+            self.model, self.tokenizer = load_model(model, dtype=dtype, device=self.device)
         if max_model_len > self.config.max_seq_len:
             raise ValueError(f"max_model_len = {max_model_len} exceeds the model's context of "
                              f"{self.config.max_seq_len} tokens; allowed: 2..{self.config.max_seq_len}")
@@ -84,6 +69,20 @@ class LLM:
         else:
             fuse_projections(self.model)      # views: the baseline modules see the same weights
         self.rope = RopeTable(self.config.head_dim, self.config.rope_theta, max_model_len, self.device)
+        self.engine_args = dict(block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens,
+                                enable_chunked_prefill=enable_chunked_prefill,
+                                enable_prefix_caching=enable_prefix_caching)
+        check_engine_args(self, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens)
+        self._engine = None                  # built on first use: it allocates the KV pool
+
+    @property
+    def engine(self) -> Engine:
+        """The continuous batching engine (lesson 07) that generate() runs on, over a paged KV cache.
+        Built again if the model was swapped (e.g. for a converted or quantised one)."""
+        if self._engine is None or self._engine.runner.model is not self.model:
+            self._engine = Engine(self, **self.engine_args)
+        return self._engine
 
     def _quantize(self, method: str) -> None:
         """Weight-only quantisation of every linear layer (lesson 04); GPTQ and AWQ calibrate on
@@ -199,7 +198,8 @@ class LLM:
                              prompt_token_ids=req.prompt_token_ids, prompt_logprobs=req.prompt_logprobs,
                              outputs=[completion], finished=req.finished, metrics=req.metrics)
 
-    # ---- runner: one request at a time over a contiguous KV cache ---------------------------
+    # ---- one request at a time over a contiguous KV cache: the reference for the engine, ------
+    # ---- and the path speculative decoding runs on ------------------------------------------
 
     @torch.no_grad()
     def stream_request(self, req: Request) -> Iterator[str]:
@@ -229,20 +229,42 @@ class LLM:
     # ---- public API -------------------------------------------------------------------------
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion. Without speculative decoding all requests go through the
+        continuous batching engine together; with it, one at a time on the contiguous cache."""
         requests = self.make_requests(prompts, sampling_params)
         from tqdm.auto import tqdm
 
-        for req in tqdm(requests, desc="generate", disable=not use_tqdm):
-            for _ in self.stream_request(req):
-                pass
+        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
+            if self.speculative_method is None:
+                self.engine.run(requests, progress=bar)
+            else:
+                for req in requests:
+                    for _ in self.stream_request(req):
+                        pass
+                    bar.update(1)
         return [self.to_output(r) for r in requests]
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one request piece by piece as tokens are generated."""
         (req,) = self.make_requests([prompt], sampling_params)
-        for delta in self.stream_request(req):
+        if self.speculative_method is not None:
+            deltas = self.stream_request(req)
+        else:
+            deltas = self._stream_engine(req)
+        for delta in deltas:
             if delta:
                 yield delta
+
+    def _stream_engine(self, req: Request) -> Iterator[str]:
+        engine = self.engine
+        engine.add_request(req)
+        try:
+            while not req.finished:
+                for r, delta in engine.step():
+                    if r is req:
+                        yield delta
+        finally:                                   # the consumer stopped early: free the blocks
+            engine.abort_request(req.request_id)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """messages: one conversation (list of {'role', 'content'}) or a list of conversations."""

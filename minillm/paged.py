@@ -158,18 +158,24 @@ class BlockManager:
         return [seq.blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
     # --- admission ----------------------------------------------------------------------
-    def can_allocate(self, token_ids: Sequence[int]) -> bool:
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens a prefix-cache hit would serve right now (0 without caching)."""
         self._check_tokens(token_ids)
-        hits = self._match(token_ids, self._hashes_of(token_ids))
+        return len(self._match(token_ids, self._hashes_of(token_ids))) * self.block_size
+
+    def can_allocate(self, token_ids: Sequence[int], use_prefix_cache: bool = True) -> bool:
+        self._check_tokens(token_ids)
+        hits = self._match(token_ids, self._hashes_of(token_ids)) if use_prefix_cache else []
         return self._blocks_to_allocate(len(token_ids), hits) <= self.num_free_blocks
 
-    def allocate(self, seq_id, token_ids: Sequence[int]) -> int:
-        """Give a new sequence blocks for all its tokens; returns how many are already computed."""
+    def allocate(self, seq_id, token_ids: Sequence[int], use_prefix_cache: bool = True) -> int:
+        """Give a new sequence blocks for all its tokens; returns how many are already computed.
+        use_prefix_cache=False computes every token (a request that wants prompt logprobs)."""
         if seq_id in self._seqs:
             raise ValueError(f"seq_id {seq_id!r} is already allocated")
         self._check_tokens(token_ids)
         hashes = self._hashes_of(token_ids)
-        hits = self._match(token_ids, hashes)
+        hits = self._match(token_ids, hashes) if use_prefix_cache else []
         if self._blocks_to_allocate(len(token_ids), hits) > self.num_free_blocks:
             raise OutOfBlocks(f"seq_id {seq_id!r} needs more blocks than are free")
         for block in hits:                         # first, so that allocate() cannot evict them

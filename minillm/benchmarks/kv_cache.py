@@ -6,9 +6,10 @@ Four measurements, all on SmolLM2-135M in one run (medians after warm-up):
 2. cache bytes allocated vs the article's formula;
 3. prefill tokens/s and decode tokens/s separately, batch 1 and 16, with achieved FLOP/s and
    bytes/s, next to the machine's measured GEMM FLOP/s and GEMV bandwidth;
-4. batch-1 greedy decode through LLM.generate vs transformers' generate (KV cache on), same
-   prompt, same dtype, and vs the bandwidth bound; plus the unfused cached path, to show what
-   the fast path (fused projections, RoPE table, SDPA) bought.
+4. batch-1 greedy decode through LLM.generate (the engine) vs transformers' generate (KV cache
+   on), same prompt, same dtype, and vs the bandwidth bound; plus each step of the fast path
+   on its own (unfused cache -> fused projections + RoPE table + SDPA -> + GEMV), to show what
+   each step bought.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import time
 import torch
 
 from .. import roofline
-from ..fast_decode import RopeTable, forward_fast
 from ..kv_cache import KVCache, forward_cached, generate_greedy, generate_greedy_naive, kv_cache_bytes
 from .common import document, time_median
 
@@ -99,7 +99,10 @@ def dense_hf_model(dtype: torch.dtype):
 
 
 def batch1_vs_hf(dtype_name: str, new_tokens: int) -> dict:
+    """Greedy batch-1 decode of one chat prompt, each step of the fast path switched on in turn,
+    and transformers' generate (KV cache on, dense weights, same dtype); interleaved runs, medians."""
     from .. import LLM, SamplingParams
+    from ..fast_decode import generate_greedy_fast
 
     llm = LLM(model="smollm2", dtype=dtype_name, device="cpu")
     prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": PROMPT}])
@@ -108,33 +111,32 @@ def batch1_vs_hf(dtype_name: str, new_tokens: int) -> dict:
     hf = dense_hf_model(getattr(torch, dtype_name))
     x = torch.tensor([ids])
 
-    def ours():
-        llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-
-    def unfused():
-        generate_greedy(llm.model, [ids], new_tokens)
-
     def theirs():
         with torch.no_grad():
             hf.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    # interleave the systems so that machine noise hits all of them alike
-    times = {"ours": [], "unfused": [], "hf": []}
-    for fn in (ours, unfused, theirs):
+    systems = {   # what each step adds, in order (lesson 02, "what each step bought")
+        "cached_unfused": lambda: generate_greedy(llm.model, [ids], new_tokens),
+        "fused_rope_sdpa": lambda: generate_greedy_fast(llm.model, ids, new_tokens, gemv=False),
+        "plus_gemv": lambda: generate_greedy_fast(llm.model, ids, new_tokens, gemv=True),
+        "llm_generate": lambda: llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False),
+        "hf": theirs,
+    }
+    times = {name: [] for name in systems}
+    for fn in systems.values():
         fn()                                                    # warm-up
-    for _ in range(3):
-        for name, fn in (("ours", ours), ("unfused", unfused), ("hf", theirs)):
+    for _ in range(3):                  # interleaved, so that machine noise hits every system alike
+        for name, fn in systems.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    med = {k: sorted(v)[1] for k, v in times.items()}
+    tok_s = {name: new_tokens / sorted(v)[1] for name, v in times.items()}
     elem = torch.tensor([], dtype=getattr(torch, dtype_name)).element_size()
     bandwidth = roofline.measure_bandwidth(512, dtype=getattr(torch, dtype_name))
     bound = bandwidth / roofline.weight_bytes(llm.config, elem)
     row = {"dtype": dtype_name, "new_tokens": new_tokens, "prompt_tokens": len(ids),
-           "ours_tok_s": new_tokens / med["ours"], "cached_unfused_tok_s": new_tokens / med["unfused"],
-           "hf_tok_s": new_tokens / med["hf"], "gemv_GBps": bandwidth / 1e9, "bound_tok_s": bound}
-    row["ours_vs_hf"] = row["ours_tok_s"] / row["hf_tok_s"]
-    row["fraction_of_bound"] = row["ours_tok_s"] / bound
+           **{f"{name}_tok_s": v for name, v in tok_s.items()}, "gemv_GBps": bandwidth / 1e9, "bound_tok_s": bound}
+    row["ours_vs_hf"] = tok_s["llm_generate"] / tok_s["hf"]
+    row["fraction_of_bound"] = tok_s["llm_generate"] / bound
     return row
 
 

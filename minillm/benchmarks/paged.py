@@ -22,8 +22,8 @@ real BlockManager against simple reservation allocators on a synthetic request t
 3. On a GPU only: the paged decode kernel's cost on scattered 16-token pages vs the same kernel on
    contiguous memory (one page per sequence), and vs torch SDPA on a contiguous padded cache.
 
-The model-dependent numbers (TTFT with and without prefix caching, greedy tokens on the paged
-cache) need the engine and are not measured here.
+4. TTFT with and without prefix caching on the real model through the engine: requests that
+   share a 1024-token system prompt, one after another (TTFT = the prefill each one needs).
 """
 from __future__ import annotations
 
@@ -255,6 +255,38 @@ def prefix_sharing(num_requests: int, system_len: int, block_size: int, seed: in
     }
 
 
+def prefix_ttft(num_requests: int, system_len: int) -> dict:
+    """The real model through the engine: requests that share a system prompt of system_len
+    tokens (a passage of the evaluation text) and differ in a short question, served one after
+    another, with and without prefix caching, interleaved. TTFT of each request = its prefill."""
+    from .. import LLM, SamplingParams
+    from ..evaluate import evaluation_text
+
+    plain = LLM(model="smollm2", dtype="float32", device="cpu", max_model_len=system_len + 256)
+    tok = plain.get_tokenizer()
+    cached = LLM(model=plain.model, tokenizer=tok, device="cpu", max_model_len=system_len + 256,
+                 enable_prefix_caching=True)
+    system = tok.encode(evaluation_text())[:system_len]
+    questions = [f"Question {i}: what is the main point of the passage above, in {i + 3} words?"
+                 for i in range(num_requests)]
+    prompts = [{"prompt_token_ids": system + tok.encode(q)} for q in questions]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    plain.generate(prompts[:1], params, use_tqdm=False)                 # warm-up, nothing cached
+    rows = []
+    for i, prompt in enumerate(prompts):
+        row = {"request": i, "prompt_tokens": len(prompt["prompt_token_ids"])}
+        for name, llm in (("no_cache", plain), ("prefix_cache", cached)):
+            (req,) = llm.make_requests([prompt], params)
+            llm.engine.run([req])
+            row[f"ttft_{name}_s"] = req.metrics.time_to_first_token
+            if name == "prefix_cache":
+                row["cached_tokens"] = req.num_cached_tokens
+        rows.append(row)
+    later = rows[1:]
+    ratio = float(np.median([r["ttft_no_cache_s"] for r in later]) / np.median([r["ttft_prefix_cache_s"] for r in later]))
+    return {"rows": rows, "ttft_ratio_later_requests": ratio}
+
+
 # --- the kernel on a GPU ----------------------------------------------------------------
 
 def kernel_paging_cost(shapes: list[tuple[int, int]], device: str = "cuda") -> list[dict]:
@@ -351,8 +383,10 @@ def run(quick: bool) -> dict:
         "prefix_reuse_fraction": sharing["prefix_reuse_fraction"],
         "prefill_tokens_saved_fraction": 1 - sharing["prefill_tokens_with_caching"]
         / sharing["prefill_tokens_without_caching"],
-        "ttft_ratio_prefix_caching": None,                # needs the model: measured by the engine benchmark
     }
+    ttft = prefix_ttft(num_requests=3 if quick else 8, system_len=256 if quick else 1024)
+    results += [{"part": "prefix-ttft", **row} for row in ttft["rows"]]
+    summary["ttft_ratio_prefix_caching"] = ttft["ttft_ratio_later_requests"]
     if torch.cuda.is_available():
         shapes = [(8, 1024), (32, 2048)] if quick else [(1, 4096), (8, 1024), (32, 2048), (64, 4096)]
         kernel_rows = kernel_paging_cost(shapes)

@@ -1,0 +1,141 @@
+"""The engine: scheduler -> model runner on the paged cache -> sampler -> outputs, once per step.
+
+    engine.add_request(req)         # from LLM.make_requests: tokenised and validated
+    while engine.has_unfinished():
+        for req, delta in engine.step():   # every request that got a token this step
+            ...                            # stream delta; req.finished tells when it is done
+
+One step:
+  1. Scheduler.schedule() picks requests and a token count for each under the budgets
+     (minillm/scheduler.py), growing their block tables; copy-on-write pairs are copied.
+  2. The runner computes all those tokens in one flat forward (minillm/model_runner.py)
+     and returns logits only for rows that need them: the last token of a request whose
+     computed tokens caught up with its tokens, or every prompt row for prompt_logprobs.
+  3. Those requests sample a token (per-request SamplingParams and generator; LLM.append_token
+     also handles stop strings, EOS, max_tokens and detokenising); finished ones leave and
+     free their blocks at once, so the next step can admit someone new.
+
+The LLM owns the request life cycle (tokenising, sampling, stop rules, outputs); the engine
+owns the batching. Per-step metrics (batch size, tokens, decodes, prefill tokens, preemptions)
+are kept in engine.step_log for lessons and benchmarks.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from .model_runner import ModelRunner, PagedKVCache, build_batch
+from .paged import BlockManager
+from .request import Request, RequestStatus
+from .scheduler import Scheduler
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30        # 1 GiB of K/V when num_kv_blocks is not given
+
+
+def check_engine_args(llm, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens) -> int:
+    """Validate the engine's knobs (ValueError naming the argument); returns the number of KV blocks."""
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size = {block_size!r} is invalid; allowed: an integer >= 1 (16 is usual)")
+    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} = {value!r} is invalid; allowed: an integer >= 1")
+    per_seq = math.ceil(llm.max_model_len / block_size)
+    if num_kv_blocks is None:
+        per_block = PagedKVCache.bytes_per_block(llm.config, block_size, llm.model.embed.weight.dtype)
+        num_kv_blocks = max(per_seq, DEFAULT_KV_CACHE_BYTES // per_block)
+    if not isinstance(num_kv_blocks, int) or num_kv_blocks < per_seq:
+        raise ValueError(f"num_kv_blocks = {num_kv_blocks!r} is too small; allowed: an integer >= {per_seq} "
+                         f"(one sequence of max_model_len={llm.max_model_len} tokens must fit)")
+    return num_kv_blocks
+
+
+class Engine:
+    def __init__(self, llm, block_size: int = 16, num_kv_blocks: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False):
+        cfg, dtype = llm.config, llm.model.embed.weight.dtype
+        num_kv_blocks = check_engine_args(llm, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens)
+        self.llm = llm
+        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
+                                   enable_chunked_prefill)
+        self.kv = PagedKVCache(cfg, num_kv_blocks, block_size, dtype, llm.device)
+        self.runner = ModelRunner(llm.model, self.kv, llm.rope)
+        self.requests: dict[str, Request] = {}
+        self.step_log: list[dict] = []
+
+    # --- requests ---------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in the engine")
+        self.scheduler.add(req)
+        self.requests[req.request_id] = req
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now (a client went away); its blocks go back to the pool."""
+        req = self.requests.pop(request_id, None)
+        if req is None or req.finished:
+            return
+        req.finish_reason = "abort"
+        self.scheduler.finish(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- one step ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[tuple[Request, str]]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan.requests:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not schedule anything although requests wait; "
+                                   "the KV pool is too small for them")
+            return []
+        self.kv.copy_blocks(plan.block_copies)
+        bm = self.block_manager
+        runs, wants = [], []
+        for req, n in zip(plan.requests, plan.num_new_tokens):
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            wants_prompt = req.params.prompt_logprobs is not None and req.prompt_logprobs is None
+            want = "all" if wants_prompt else ("last" if end == req.num_tokens else "none")
+            runs.append((req.all_token_ids[start:end], start, bm.block_table(req.request_id),
+                         bm.slot_mapping(req.request_id, 0, end)))
+            wants.append(want)
+        batch = build_batch(runs, wants, bm.block_size, self.kv.k.device)
+        logits = self.runner.forward(batch)                                # (K, V)
+        to_sample = set(map(id, self.scheduler.update(plan)))
+        events, row = [], 0
+        for req, n, want in zip(plan.requests, plan.num_new_tokens, wants):
+            rows = n if want == "all" else int(want == "last")
+            mine, row = logits[row:row + rows], row + rows                 # (rows, V)
+            if want == "all":
+                req.prompt_logits.append(mine)
+                if req.num_computed_tokens >= len(req.prompt_token_ids):
+                    self.llm.set_prompt_logprobs(req, torch.cat(req.prompt_logits))
+                    req.prompt_logits = []
+            if id(req) in to_sample:
+                events.append((req, self.llm.append_token(req, mine[-1])))
+                if req.finished:
+                    self.scheduler.finish(req)
+                    del self.requests[req.request_id]
+        decodes = sum(1 for r, n in zip(plan.requests, plan.num_new_tokens)
+                      if n == 1 and r.num_computed_tokens > len(r.prompt_token_ids))
+        self.step_log.append({"time": time.perf_counter(), "seconds": time.perf_counter() - t0,
+                              "num_seqs": len(plan.requests), "num_tokens": plan.num_batched_tokens,
+                              "num_decodes": decodes, "num_preempted": len(plan.preempted),
+                              "num_running": len(self.scheduler.running),
+                              "num_waiting": len(self.scheduler.waiting),
+                              "free_blocks": bm.num_free_blocks})
+        return events
+
+    def run(self, requests: list[Request], progress=None) -> None:
+        """Add every request and step until all are finished (progress: a tqdm bar or None)."""
+        for req in requests:
+            self.add_request(req)
+        while self.has_unfinished():
+            for req, _ in self.step():
+                if req.finished and progress is not None:
+                    progress.update(1)

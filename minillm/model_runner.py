@@ -1,0 +1,193 @@
+"""The model on the paged KV cache: one forward over a variable-length batch, no padding.
+
+The scheduler hands over, per request, a run of new tokens (a whole prompt, a prefill chunk,
+or one decode token) that continues the request at position num_computed_tokens. The runner
+concatenates them all into ONE flat sequence of N tokens, so every linear layer is a single
+(N, dim) matmul whatever the mix of prefills and decodes:
+
+    tokens        (N,)   the new tokens of every request, back to back
+    positions     (N,)   each token's position in its own request (for RoPE)
+    slot_mapping  (N,)   where its K/V goes in the paged cache (minillm/paged.py)
+
+Only attention needs to know where one request ends and the next begins:
+- decode rows (one new token each) attend together: on a GPU the Triton kernel walks each
+  block table (kernels/paged_attention.py); on CPU we gather each request's K/V through its
+  slots into a padded (Bd, Hkv, L_max, D) batch and run torch's SDPA with a padding mask;
+- a prefill chunk of T tokens after `start` cached ones attends to start + T keys, causally
+  with an offset (query t sees keys 0..start + t).
+
+Compared with forward_fast (the contiguous batch-1 path) what is new is marked  # NEW: paged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .fast_decode import RopeTable, _prefix_mask, _rope, is_fused, linear, lm_head
+from .model import Llama, ModelConfig
+
+
+class PagedKVCache:
+    """Per layer K and V blocks: k, v (L, num_blocks, block_size, Hkv, D)."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * elem
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write pairs (src, dst) from BlockManager.append_slots, for every layer at once."""
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.k.device)
+            dst = torch.tensor([d for _, d in copies], device=self.k.device)
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
+
+
+@dataclass
+class PagedBatch:
+    """Everything one forward needs; built once per step, shared by all layers."""
+    tokens: torch.Tensor           # (N,) int64
+    positions: torch.Tensor        # (N,) int64
+    slot_mapping: torch.Tensor     # (N,) int64
+    logits_rows: torch.Tensor      # (K,) rows of the N whose logits are returned
+    decode_rows: torch.Tensor      # (Bd,) rows that are single decode tokens
+    decode_slots: torch.Tensor     # (Bd, L_max) cache slots of their keys (padding: slot 0)
+    decode_mask: torch.Tensor      # (Bd, 1, 1, L_max) True where a key is real
+    decode_lens: torch.Tensor      # (Bd,) int32 keys per decode row
+    decode_tables: torch.Tensor    # (Bd, max_blocks) int32 block tables (for the GPU kernel)
+    prefills: list                 # [(row_start, T, key_slots (L,), mask (T, L) or None)]
+
+
+def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_logits: list[str],
+                block_size: int, device) -> PagedBatch:
+    """runs: per request (new token ids, start position, block table, slots of positions
+    0..start+T-1). want_logits per run: "last" (the last row), "all" (every row) or "none"."""
+    tokens, positions, slots, logits_rows = [], [], [], []
+    dec_rows, dec_slots, dec_tables, prefills = [], [], [], []
+    row = 0
+    for (new, start, table, key_slots), want in zip(runs, want_logits):
+        T = len(new)
+        tokens += new
+        positions += range(start, start + T)
+        slots += key_slots[start:start + T]
+        if want == "all":
+            logits_rows += range(row, row + T)
+        elif want == "last":
+            logits_rows.append(row + T - 1)
+        if T == 1:
+            dec_rows.append(row)
+            dec_slots.append(key_slots)
+            dec_tables.append(table)
+        else:
+            mask = _prefix_mask(start, T, device) if start else None           # (T, L) or causal
+            prefills.append((row, T, torch.tensor(key_slots, device=device), mask))
+        row += T
+    L_max = max([1, *map(len, dec_slots)])
+    slot_pad = torch.zeros(len(dec_slots), L_max, dtype=torch.long)
+    lens = torch.tensor([len(s) for s in dec_slots], dtype=torch.int32)
+    for b, s in enumerate(dec_slots):
+        slot_pad[b, :len(s)] = torch.tensor(s)
+    mask = torch.arange(L_max)[None, :] < lens[:, None]                          # (Bd, L_max)
+    width = max([1, *map(len, dec_tables)])
+    tables = torch.zeros(len(dec_tables), width, dtype=torch.int32)
+    for b, t in enumerate(dec_tables):
+        tables[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    as_long = dict(dtype=torch.long, device=device)
+    return PagedBatch(torch.tensor(tokens, **as_long), torch.tensor(positions, **as_long),
+                      torch.tensor(slots, **as_long), torch.tensor(logits_rows, **as_long),
+                      torch.tensor(dec_rows, **as_long), slot_pad.to(device),
+                      mask[:, None, None].to(device), lens.to(device), tables.to(device), prefills)
+
+
+class ModelRunner:
+    """Runs PagedBatches of one model over one PagedKVCache."""
+
+    def __init__(self, model: Llama, kv: PagedKVCache, rope: RopeTable):
+        self.model, self.kv, self.rope = model, kv, rope
+        self.fused = is_fused(model)            # fused QKV / gate-up (not for quantised models)
+        device = kv.k.device
+        self.use_triton = device.type == "cuda"
+
+    @torch.no_grad()
+    def forward(self, batch: PagedBatch) -> torch.Tensor:
+        """-> logits (K, V) of batch.logits_rows."""
+        model, cfg = self.model, self.model.cfg
+        Hq, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        N = batch.tokens.shape[0]
+        cos = self.rope.cos[batch.positions][:, None]                    # (N, 1, D/2)
+        sin = self.rope.sin[batch.positions][:, None]
+        h = model.embed(batch.tokens)                                    # (N, dim)
+        for i, layer in enumerate(model.layers):
+            q, k, v = self._qkv(layer.attn, layer.attn_norm(h))          # (N, H, D) each
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            self._store(i, k, v, batch.slot_mapping)                     # NEW: paged
+            out = self._attention(i, q, batch)                           # (N, Hq, D)
+            h = h + linear(layer.attn.wo, out.reshape(N, Hq * D))
+            x = layer.ffn_norm(h)
+            if self.fused:
+                gate, up = linear(layer.ffn.w_gate_up, x).chunk(2, dim=-1)   # (N, ffn) each
+                h = h + linear(layer.ffn.w_down, F.silu(gate) * up)
+            else:
+                h = h + layer.ffn(x)
+        return lm_head(model, h[batch.logits_rows])                      # (K, V)
+
+    def _qkv(self, attn, x):
+        cfg = self.model.cfg
+        Hq, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        if self.fused:
+            q, k, v = linear(attn.wqkv, x).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        else:
+            q, k, v = attn.wq(x), attn.wk(x), attn.wv(x)
+        return q.view(-1, Hq, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)
+
+    def _store(self, layer: int, k, v, slot_mapping) -> None:
+        if self.use_triton:
+            from kernels.paged_attention import store_kv
+            store_kv(k, v, self.kv.k[layer], self.kv.v[layer], slot_mapping)
+        else:                         # store_kv_reference without its padding check: no padding here
+            k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
+            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+    def _attention(self, layer: int, q, batch: PagedBatch):
+        """q (N, Hq, D) -> (N, Hq, D); each row attends to its own request's keys only."""
+        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]            # (blocks, bs, Hkv, D)
+        k_flat = k_cache.view(-1, *k_cache.shape[2:])                     # (slots, Hkv, D)
+        v_flat = v_cache.view(-1, *v_cache.shape[2:])
+        only_decodes = not batch.prefills
+        out = None if only_decodes else torch.empty_like(q)
+        if batch.decode_rows.numel():
+            qd = q if only_decodes else q[batch.decode_rows]              # (Bd, Hq, D)
+            if self.use_triton:
+                from kernels.paged_attention import paged_attention_decode
+                od = paged_attention_decode(qd, k_cache, v_cache, batch.decode_tables, batch.decode_lens)
+            else:                                                         # gather, then SDPA
+                keys = k_flat[batch.decode_slots].transpose(1, 2)         # (Bd, Hkv, L_max, D)
+                values = v_flat[batch.decode_slots].transpose(1, 2)
+                od = F.scaled_dot_product_attention(qd[:, :, None], keys, values, attn_mask=batch.decode_mask,
+                                                    enable_gqa=True)[:, :, 0]   # (Bd, Hq, D)
+            if only_decodes:                                              # rows are 0..N-1 in order
+                return od
+            out[batch.decode_rows] = od
+        for row, T, key_slots, mask in batch.prefills:
+            qp = q[row:row + T].transpose(0, 1)[None]                     # (1, Hq, T, D)
+            keys = k_flat[key_slots].transpose(0, 1)[None]                # (1, Hkv, L, D)
+            values = v_flat[key_slots].transpose(0, 1)[None]
+            op = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                enable_gqa=True)          # (1, Hq, T, D)
+            out[row:row + T] = op[0].transpose(0, 1)
+        return out

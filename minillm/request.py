@@ -1,0 +1,65 @@
+"""A request in flight: its tokens so far, how many of them are in the KV cache, and its state.
+
+The one number that drives the engine (vLLM v1's framing) is num_computed_tokens: how many
+of the request's tokens (prompt + output so far) already have their K/V in the cache. Each
+step the scheduler lets it catch up with num_tokens by some amount:
+
+    prefill            num_computed 0          -> len(prompt)     (in one step or in chunks)
+    prefix-cache hit   num_computed starts at the cached tokens, not 0
+    decode             num_computed n - 1      -> n               (one token per step)
+    preemption         num_computed back to 0  (its blocks were freed; it recomputes)
+
+When num_computed_tokens reaches num_tokens the last forward produced the logits of the last
+token, so a new token is sampled and appended, and num_tokens grows by one.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .outputs import Logprob, RequestMetrics
+from .sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"        # not admitted yet, or preempted (its blocks were freed)
+    RUNNING = "running"        # holds KV blocks, gets scheduled every step
+    FINISHED = "finished"      # stop condition met, length reached, or aborted
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    metrics: RequestMetrics
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list | None = None
+    cumulative_logprob: float = 0.0
+    text: str = ""
+    finish_reason: str | None = None       # "stop", "length" or "abort"
+    stop_reason: str | int | None = None
+    emitted: int = 0                       # characters of text already streamed
+    # engine state
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0             # prompt tokens served by the prefix cache (last admission)
+    num_preemptions: int = 0
+    prompt_logits: list = field(default_factory=list)   # (T_chunk, V) pieces, for prompt_logprobs
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
