@@ -26,16 +26,20 @@ import time
 
 import torch
 
-from .model_runner import ModelRunner, PagedKVCache, build_batch
+from .model_runner import KV_CACHE_DTYPES, ModelRunner, PagedKVCache, build_batch
 from .paged import BlockManager
 from .request import Request, RequestStatus
 from .scheduler import Scheduler
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30        # 1 GiB of K/V when num_kv_blocks is not given
+DEFAULT_KV_CACHE_BYTES = 1 << 30        # 1 GiB of K/V when num_kv_blocks is not given (more blocks with int8)
 
 
-def check_engine_args(llm, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens) -> int:
+def check_engine_args(llm, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
+                      kv_cache_dtype: str = "auto") -> int:
     """Validate the engine's knobs (ValueError naming the argument); returns the number of KV blocks."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype = {kv_cache_dtype!r} is not supported; allowed: "
+                         f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size = {block_size!r} is invalid; allowed: an integer >= 1 (16 is usual)")
     for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -43,7 +47,7 @@ def check_engine_args(llm, block_size, num_kv_blocks, max_num_seqs, max_num_batc
             raise ValueError(f"{name} = {value!r} is invalid; allowed: an integer >= 1")
     per_seq = math.ceil(llm.max_model_len / block_size)
     if num_kv_blocks is None:
-        per_block = PagedKVCache.bytes_per_block(llm.config, block_size, llm.model.embed.weight.dtype)
+        per_block = PagedKVCache.bytes_per_block(llm.config, block_size, llm.model.embed.weight.dtype, kv_cache_dtype)
         num_kv_blocks = max(per_seq, DEFAULT_KV_CACHE_BYTES // per_block)
     if not isinstance(num_kv_blocks, int) or num_kv_blocks < per_seq:
         raise ValueError(f"num_kv_blocks = {num_kv_blocks!r} is too small; allowed: an integer >= {per_seq} "
@@ -54,14 +58,16 @@ def check_engine_args(llm, block_size, num_kv_blocks, max_num_seqs, max_num_batc
 class Engine:
     def __init__(self, llm, block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False):
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
+                 kv_cache_dtype: str = "auto"):
         cfg, dtype = llm.config, llm.model.embed.weight.dtype
-        num_kv_blocks = check_engine_args(llm, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens)
+        num_kv_blocks = check_engine_args(llm, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
+                                          kv_cache_dtype)
         self.llm = llm
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    enable_chunked_prefill)
-        self.kv = PagedKVCache(cfg, num_kv_blocks, block_size, dtype, llm.device)
+        self.kv = PagedKVCache(cfg, num_kv_blocks, block_size, dtype, llm.device, kv_cache_dtype)
         self.runner = ModelRunner(llm.model, self.kv, llm.rope)
         self.requests: dict[str, Request] = {}
         self.step_log: list[dict] = []

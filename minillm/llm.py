@@ -33,7 +33,7 @@ class LLM:
                  num_speculative_tokens: int = 5, block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
-                 tokenizer=None):
+                 kv_cache_dtype: str = "auto", tokenizer=None):
         """model: "smollm2", a .gguf path or an HF folder; or an already-built minillm Llama
         module together with its `tokenizer` (tests use a tiny random model this way)."""
         from .model import Llama
@@ -72,8 +72,11 @@ class LLM:
         self.engine_args = dict(block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 enable_chunked_prefill=enable_chunked_prefill,
-                                enable_prefix_caching=enable_prefix_caching)
-        check_engine_args(self, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens)
+                                enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype)
+        check_engine_args(self, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, kv_cache_dtype)
+        if kv_cache_dtype != "auto" and speculative_method is not None:
+            raise ValueError(f"kv_cache_dtype = {kv_cache_dtype!r} needs the batching engine; speculative decoding "
+                             f"runs on the contiguous cache: use kv_cache_dtype='auto' with speculative_method")
         self._engine = None                  # built on first use: it allocates the KV pool
 
     @property

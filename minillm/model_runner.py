@@ -27,34 +27,77 @@ import torch.nn.functional as F
 
 from .fast_decode import RopeTable, _prefix_mask, _rope, is_fused, linear, lm_head
 from .model import Llama, ModelConfig
+from .quant.kv_int8 import dequantize_kv, quantize_kv
+
+
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 class PagedKVCache:
-    """Per layer K and V blocks: k, v (L, num_blocks, block_size, Hkv, D)."""
+    """Per layer K and V blocks: k, v (L, num_blocks, block_size, Hkv, D).
+
+    kv_dtype "auto" stores K/V in the model's dtype; "int8" stores int8 values plus one fp16
+    scale per (token, KV head) (minillm/quant/kv_int8.py, lesson 04): k_scale, v_scale
+    (L, num_blocks, block_size, Hkv, 1). Values are quantised once, when written, and
+    dequantised when a request's keys are gathered for attention.
+    """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", kv_dtype: str = "auto"):
+        if kv_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype = {kv_dtype!r} is not supported; allowed: {', '.join(map(repr, KV_CACHE_DTYPES))}")
         shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.quantized = kv_dtype == "int8"
+        store = torch.int8 if self.quantized else dtype
+        self.k = torch.zeros(shape, dtype=store, device=device)
+        self.v = torch.zeros(shape, dtype=store, device=device)
+        self.k_scale = self.v_scale = None
+        if self.quantized:
+            self.k_scale = torch.zeros(*shape[:-1], 1, dtype=torch.float16, device=device)
+            self.v_scale = torch.zeros(*shape[:-1], 1, dtype=torch.float16, device=device)
+        self.dtype = dtype                                      # what attention computes in
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * elem
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+        """K and V of one block, all layers: int8 is D bytes + a 2-byte scale per token and head."""
+        per_head = cfg.head_dim + 2 if kv_dtype == "int8" else cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+        return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * per_head
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        scales = 2 * self.k_scale.numel() * self.k_scale.element_size() if self.quantized else 0
+        return 2 * self.k.numel() * self.k.element_size() + scales
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write pairs (src, dst) from BlockManager.append_slots, for every layer at once."""
         if copies:
             src = torch.tensor([s for s, _ in copies], device=self.k.device)
             dst = torch.tensor([d for _, d in copies], device=self.k.device)
-            self.k[:, dst] = self.k[:, src]
-            self.v[:, dst] = self.v[:, src]
+            for t in (self.k, self.v, self.k_scale, self.v_scale):
+                if t is not None:
+                    t[:, dst] = t[:, src]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """k, v (N, Hkv, D) into their slots (N,): a row scatter (quantised first for int8)."""
+        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            flat = cache[layer].view(-1, *cache.shape[3:])                # (slots, Hkv, D)
+            if self.quantized:
+                q, scale = quantize_kv(x[None])                           # (1, N, Hkv, D), (1, N, Hkv, 1)
+                flat.index_copy_(0, slot_mapping, q[0])
+                scales[layer].view(-1, *scales.shape[3:]).index_copy_(0, slot_mapping, scale[0])
+            else:
+                flat.index_copy_(0, slot_mapping, x)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V at slots (any shape S) -> two (*S, Hkv, D) tensors in the compute dtype."""
+        out = []
+        for cache, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            x = cache[layer].view(-1, *cache.shape[3:])[slots]                # (*S, Hkv, D)
+            if self.quantized:
+                x = dequantize_kv(x, scales[layer].view(-1, *scales.shape[3:])[slots], self.dtype)
+            out.append(x)
+        return out[0], out[1]
 
 
 @dataclass
@@ -119,8 +162,8 @@ class ModelRunner:
     def __init__(self, model: Llama, kv: PagedKVCache, rope: RopeTable):
         self.model, self.kv, self.rope = model, kv, rope
         self.fused = is_fused(model)            # fused QKV / gate-up (not for quantised models)
-        device = kv.k.device
-        self.use_triton = device.type == "cuda"
+        # the Triton kernels read the model's dtype from the blocks; an int8 cache takes the gather path
+        self.use_triton = kv.k.device.type == "cuda" and not kv.quantized
 
     @torch.no_grad()
     def forward(self, batch: PagedBatch) -> torch.Tensor:
@@ -158,16 +201,12 @@ class ModelRunner:
         if self.use_triton:
             from kernels.paged_attention import store_kv
             store_kv(k, v, self.kv.k[layer], self.kv.v[layer], slot_mapping)
-        else:                         # store_kv_reference without its padding check: no padding here
-            k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+        else:
+            self.kv.store(layer, k, v, slot_mapping)
 
     def _attention(self, layer: int, q, batch: PagedBatch):
         """q (N, Hq, D) -> (N, Hq, D); each row attends to its own request's keys only."""
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]            # (blocks, bs, Hkv, D)
-        k_flat = k_cache.view(-1, *k_cache.shape[2:])                     # (slots, Hkv, D)
-        v_flat = v_cache.view(-1, *v_cache.shape[2:])
         only_decodes = not batch.prefills
         out = None if only_decodes else torch.empty_like(q)
         if batch.decode_rows.numel():
@@ -176,8 +215,8 @@ class ModelRunner:
                 from kernels.paged_attention import paged_attention_decode
                 od = paged_attention_decode(qd, k_cache, v_cache, batch.decode_tables, batch.decode_lens)
             else:                                                         # gather, then SDPA
-                keys = k_flat[batch.decode_slots].transpose(1, 2)         # (Bd, Hkv, L_max, D)
-                values = v_flat[batch.decode_slots].transpose(1, 2)
+                keys, values = self.kv.gather(layer, batch.decode_slots)  # (Bd, L_max, Hkv, D)
+                keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # (Bd, Hkv, L_max, D)
                 od = F.scaled_dot_product_attention(qd[:, :, None], keys, values, attn_mask=batch.decode_mask,
                                                     enable_gqa=True)[:, :, 0]   # (Bd, Hq, D)
             if only_decodes:                                              # rows are 0..N-1 in order
@@ -185,8 +224,8 @@ class ModelRunner:
             out[batch.decode_rows] = od
         for row, T, key_slots, mask in batch.prefills:
             qp = q[row:row + T].transpose(0, 1)[None]                     # (1, Hq, T, D)
-            keys = k_flat[key_slots].transpose(0, 1)[None]                # (1, Hkv, L, D)
-            values = v_flat[key_slots].transpose(0, 1)[None]
+            keys, values = self.kv.gather(layer, key_slots)               # (L, Hkv, D)
+            keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]   # (1, Hkv, L, D)
             op = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, is_causal=mask is None,
                                                 enable_gqa=True)          # (1, Hq, T, D)
             out[row:row + T] = op[0].transpose(0, 1)

@@ -184,3 +184,30 @@ def test_smollm2_batched_engine_equals_contiguous_cache(llm, smollm2_path):
         assert r == g or first_mismatch_is_near_tie(llm, p["prompt_token_ids"], r, g)
     assert max(s["num_seqs"] for s in engine_llm.engine.step_log) == 4
 
+
+
+def test_int8_kv_cache_halves_memory_and_stays_close():
+    """kv_cache_dtype="int8": (D + 2) bytes per token and head instead of 2D in fp16."""
+    fp32 = tiny_llm(num_kv_blocks=64)
+    int8 = tiny_llm(num_kv_blocks=64, kv_cache_dtype="int8")
+    D = fp32.config.head_dim
+    assert int8.engine.kv.nbytes / (fp32.engine.kv.nbytes / 2) == pytest.approx((D + 2) / (2 * D))
+    prompts, params = workload(fp32.config.vocab_size)
+    a = fp32.generate(prompts, params, use_tqdm=False)
+    b = int8.generate(prompts, params, use_tqdm=False)
+    same = sum(x == y for oa, ob in zip(a, b) for x, y in zip(oa.outputs[0].token_ids, ob.outputs[0].token_ids))
+    assert same / sum(len(o.outputs[0].token_ids) for o in a) > 0.8
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        tiny_llm(kv_cache_dtype="fp8")
+
+
+@pytest.mark.slow
+def test_smollm2_int8_kv_cache_perplexity(smollm2_path):
+    """SmolLM2 with an int8 KV cache: perplexity on the evaluation text within 1% of fp32 KV."""
+    from minillm.evaluate import perplexity
+
+    base = LLM(model=str(smollm2_path), dtype="float32", device="cpu")
+    int8 = LLM(model=base.model, tokenizer=base.get_tokenizer(), device="cpu", kv_cache_dtype="int8")
+    ppl_base = perplexity(base, window=256, max_windows=2)
+    ppl_int8 = perplexity(int8, window=256, max_windows=2)
+    assert abs(ppl_int8 / ppl_base - 1) < 0.01, (ppl_base, ppl_int8)

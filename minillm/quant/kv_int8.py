@@ -22,9 +22,10 @@ FP16_TINY = torch.finfo(torch.float16).tiny
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (B, Hkv, T, D) float -> q int8 (B, Hkv, T, D), scale fp16 (B, Hkv, T, 1)."""
+    """x (B, Hkv, T, D) float -> q int8 (B, Hkv, T, D), scale fp16 (B, Hkv, T, 1).
+    (Any 4-d layout with head_dim last works: the paged cache passes (1, N, Hkv, D).)"""
     if x.dim() != 4:
-        raise ValueError(f"x must be shaped (B, Hkv, T, D); got {tuple(x.shape)}")
+        raise ValueError(f"x must be 4-d with head_dim last, e.g. (B, Hkv, T, D); got {tuple(x.shape)}")
     xf = x.float()
     scale = (xf.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=FP16_TINY).half()  # (B, Hkv, T, 1)
     q = torch.clamp(torch.round(xf / scale.float()), -127, 127).to(torch.int8)          # (B, Hkv, T, D)
@@ -32,7 +33,7 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q int8 (B, Hkv, T, D), scale (B, Hkv, T, 1) -> (B, Hkv, T, D) in dtype."""
+    """q int8 (..., D), scale (..., 1) -> (..., D) in dtype."""
     return (q.float() * scale.float()).to(dtype)
 
 
