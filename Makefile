@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum < requirements.txt | cut -d' ' -f1)
 
-.PHONY: demo test setup model
+.PHONY: demo test setup model gpu-check
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,3 +24,8 @@ demo: model
 
 test: model
 	$(PY) -m pytest tests
+
+# On a lent CUDA GPU (no pip there: gguf travels as a wheel in .whl/, see tools/gpu_check.py)
+gpu-check:
+	python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+	PYTHONPATH=/tmp/site:. python3 tools/gpu_check.py

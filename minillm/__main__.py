@@ -1,4 +1,4 @@
-"""Command line: python -m minillm {generate, bench, demo} ...  (`--help` on each)."""
+"""Command line: python -m minillm {generate, bench, demo, serve} ...  (`--help` on each)."""
 from __future__ import annotations
 
 import argparse
@@ -38,6 +38,20 @@ def _demo(args) -> None:
     main(model=args.model, dtype=args.dtype, max_tokens=args.max_tokens)
 
 
+def _serve(args) -> None:
+    from . import LLM
+    from .server import serve
+
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+              block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
+              kv_cache_dtype=args.kv_cache_dtype)
+    name = args.served_model_name or args.model
+    print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI-compatible)", flush=True)
+    serve(llm, host=args.host, port=args.port, served_model_name=name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,6 +82,25 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(d)
     d.add_argument("--max-tokens", type=int, default=96)
     d.set_defaults(func=_demo)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    model_args(s)
+    s.add_argument("--device", default="auto")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: --model)")
+    s.add_argument("--max-model-len", type=int, default=2048)
+    s.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch at most")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one step at most")
+    s.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    s.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: 1 GiB of K/V)")
+    s.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt in one step")
+    s.add_argument("--enable-prefix-caching", action="store_true", help="reuse KV blocks of shared prefixes")
+    s.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) | int8")
+    s.set_defaults(func=_serve)
+
+    from .labs import add_lab_parser
+    add_lab_parser(sub)                     # lab {list, make, grade}: minillm/labs.py
     return parser
 
 

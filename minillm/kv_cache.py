@@ -40,9 +40,14 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """k, v (B, Hkv, T, D) for positions (B, T): scattered along the sequence axis."""
+        # BEGIN SOLUTION kv_cache
+        # HINT: self.k[layer] is (B, Hkv, max_len, D). Token t of row b belongs at sequence position
+        # HINT: positions[b, t] (dim 2), in every KV head. Build an index shaped like k from positions
+        # HINT: (add the head and D axes, then expand) and use Tensor.scatter_ along dim 2; same for v.
         index = positions[:, None, :, None].expand_as(k)           # (B, Hkv, T, D)
         self.k[layer].scatter_(2, index, k)
         self.v[layer].scatter_(2, index, v)
+        # END SOLUTION
 
     def truncate(self, lengths: torch.Tensor) -> None:
         """Forget positions >= lengths (B,): used to roll back rejected speculative tokens."""
@@ -68,22 +73,36 @@ def forward_cached(model: Llama, tokens: torch.Tensor, cache: KVCache, num_new: 
     start = cache.lengths                                                # (B,)
     if int((start + T).max()) > cache.max_len:
         raise ValueError(f"KV cache holds {cache.max_len} positions; this step needs {int((start + T).max())}")
+    # BEGIN SOLUTION kv_cache
+    # HINT: the T new tokens continue each sequence where its cache ends: positions (B, T) is
+    # HINT: start[b] + 0, 1, ..., T-1. RoPE needs the angles of those positions: rope_cos_sin(positions,
+    # HINT: cfg.head_dim, cfg.rope_theta) gives (B, T, D/2); add a head axis -> (B, 1, T, D/2).
+    # HINT: Attention reads S = max(start + T) cached keys; mask (B, 1, T, S) is True where the key's
+    # HINT: position <= the query's position (causal, and it hides another row's unused slots).
     positions = start[:, None] + torch.arange(T, device=tokens.device)   # (B, T)
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)     # (B, T, D/2)
     cos, sin = cos[:, None], sin[:, None]                                # (B, 1, T, D/2)
     S = int((start + T).max())                                           # keys to look at
     key_pos = torch.arange(S, device=tokens.device)
     mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]   # (B, 1, T, S) causal
+    # END SOLUTION
     h = model.embed(tokens)                                              # (B, T, dim)
     for i, layer in enumerate(model.layers):
         x = layer.attn_norm(h)
         q, k, v = layer.attn.project_qkv(x, cos, sin)                    # (B, H, T, D)
+        # BEGIN SOLUTION kv_cache
+        # HINT: store this layer's new k, v at their positions (cache.write), then take everything the
+        # HINT: cache holds for layer i at positions 0..S-1: keys, values, each (B, Hkv, S, D).
         cache.write(i, k, v, positions)                                  # NEW: cache
         keys, values = cache.k[i, :, :, :S], cache.v[i, :, :, :S]        # NEW: (B, Hkv, S, D)
+        # END SOLUTION
         out = grouped_attention(q, keys, values, mask)                   # (B, Hq, T, D)
         h = h + layer.attn.wo(out.transpose(1, 2).reshape(B, T, -1))
         h = h + layer.ffn(layer.ffn_norm(h))
+    # BEGIN SOLUTION kv_cache
+    # HINT: each sequence now holds num_new[b] more real tokens (padding beyond them is not counted).
     cache.lengths = start + num_new
+    # END SOLUTION
     if all_logits:
         return model.logits(h)                                           # (B, T, V)
     last = h[torch.arange(B, device=h.device), num_new - 1]              # (B, dim)

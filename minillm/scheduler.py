@@ -83,6 +83,17 @@ class Scheduler:
 
     # --- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        # BEGIN SOLUTION scheduler
+        # HINT: follow the module docstring. budget = max_num_batched_tokens. (1) Running requests,
+        # HINT: oldest first, while budget > 0: n = min(num_tokens - num_computed_tokens, budget); while
+        # HINT: bm.can_append_slots(id, num_tokens) says no, preempt the NEWEST running request (self._preempt,
+        # HINT: record it in out.preempted; stop if it was this request); then out.block_copies +=
+        # HINT: bm.append_slots(id, all_token_ids) and schedule n tokens. (2) Unless this step preempted,
+        # HINT: admit waiting requests in order while budget > 0 and fewer than max_num_seqs run: a
+        # HINT: prefix-cache hit (bm.cached_prefix_tokens, only when params.prompt_logprobs is None) is
+        # HINT: already computed; without chunked prefill the rest must fit the budget; stop when
+        # HINT: bm.can_allocate says no; bm.allocate gives num_computed_tokens (also num_cached_tokens);
+        # HINT: the request becomes RUNNING and gets min(remaining, budget) tokens.
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
@@ -125,6 +136,7 @@ class Scheduler:
             out.num_new_tokens.append(n)
             budget -= n
         return out
+        # END SOLUTION
 
     def update(self, out: SchedulerOutput) -> list[Request]:
         """After the forward: the scheduled tokens are computed. Returns the requests whose last
@@ -140,6 +152,9 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: free every block, forget the computed tokens, and put the
         request at the FRONT of the waiting queue so it resumes before anything newer."""
+        # BEGIN SOLUTION scheduler
+        # HINT: remove it from running, free its blocks, status WAITING, num_computed_tokens 0, forget
+        # HINT: its prompt_logits, count num_preemptions, and put it at the FRONT of waiting (appendleft).
         self.running.remove(req)
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.WAITING
@@ -147,3 +162,4 @@ class Scheduler:
         req.prompt_logits = []
         req.num_preemptions += 1
         self.waiting.appendleft(req)
+        # END SOLUTION

@@ -86,8 +86,9 @@ def test_unsupported_layers_and_bad_inputs():
     assert not supports(_layer("int4", {"group_size": 48}, 96))
     layer = _layer("int4", {"group_size": 64}, 128)
     ops = operands(layer)
+    device = "cuda" if torch.cuda.is_available() else "cpu"      # the kernel's device check comes first
     with pytest.raises(ValueError, match="K = 2"):
-        w4a16_matmul(torch.randn(2, 64), ops["packed"], ops["scale"], group=64)
+        w4a16_matmul(torch.randn(2, 64, device=device), ops["packed"].to(device), ops["scale"].to(device), group=64)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="QuantLinear uses the fused kernel only on CUDA")

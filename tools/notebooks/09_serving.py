@@ -1,0 +1,152 @@
+CELLS = [
+("md", r"""
+# 09 · Serving: an OpenAI-compatible server on the engine
+
+*Lesson: [lessons/09-serving.md](../lessons/09-serving.md).* The article's 实战 section deploys a model
+with vLLM's OpenAI-compatible server and calls it with the OpenAI Python SDK (**零代码切换**). Here
+minillm's own server (`minillm/server.py`) plays vLLM's part: same endpoints, same client code.
+
+It runs in a background thread of this notebook; from a shell it is
+`python -m minillm serve --model smollm2 --port 8000`.
+
+`MINILLM_QUICK=1` shrinks the load test (CI does); unset it for the full run.
+"""),
+("code", r"""
+import os, time
+from concurrent.futures import ThreadPoolExecutor
+import httpx
+import matplotlib.pyplot as plt
+import openai
+from minillm import LLM
+from minillm.server import ServerThread, build_app
+from minillm.benchmarks import serve as serve_bench
+from minillm.benchmarks.common import machine_info
+
+QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
+print(machine_info(), "| quick mode" if QUICK else "")
+llm = LLM(model="smollm2", dtype="float32", device="auto", max_num_seqs=32)
+server = ServerThread(build_app(llm, served_model_name="smollm2")).start()    # a free port on 127.0.0.1
+print("serving at", server.base_url)
+"""),
+("md", r"""
+## 1. The OpenAI client, unchanged
+
+The client only needs a base URL. `api_key` is required by the SDK but ignored by the server.
+"""),
+("code", r"""
+client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+print([m.id for m in client.models.list().data])
+reply = client.chat.completions.create(
+    model="smollm2", messages=[{"role": "user", "content": "Give me three tips for readable code."}],
+    max_tokens=48, temperature=0)
+print(reply.choices[0].message.content)
+print(reply.usage)
+"""),
+("md", r"""
+## 2. Streaming: server-sent events, one chunk per token
+
+With `stream=True` the server answers with `text/event-stream`: a `data: {...}` line per new piece of
+text and `data: [DONE]` at the end. The first chunk's arrival is the time to first token (TTFT) a user
+feels; the gaps after it are the time per output token (TPOT).
+"""),
+("code", r"""
+start = time.perf_counter()
+arrivals = []
+for chunk in client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Write a haiku about the sea."}],
+        max_tokens=32, temperature=0, stream=True):
+    piece = chunk.choices[0].delta.content
+    if piece:
+        arrivals.append(time.perf_counter() - start)
+        print(piece, end="", flush=True)
+print(f"\n\nTTFT {arrivals[0]*1e3:.0f} ms, mean gap after it {1e3*(arrivals[-1]-arrivals[0])/max(1, len(arrivals)-1):.0f} ms")
+"""),
+("md", r"""
+What travels on the wire (the same request through plain HTTP):
+"""),
+("code", r"""
+body = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "stream": True}
+with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+    for line in response.iter_lines():
+        if line:
+            print(line)
+"""),
+("md", r"""
+## 3. minillm or vLLM: only the base URL changes
+
+vLLM's server speaks the same protocol. Start it with
+
+```bash
+vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --port 8000 \
+    --max-num-seqs 64 --max-num-batched-tokens 2048 --gpu-memory-utilization 0.9 --enable-prefix-caching
+```
+
+and the function below talks to it by passing `"http://localhost:8000/v1"` and that model name. Nothing
+else in the client changes. (There is no vLLM server here, so only minillm's is called.)
+"""),
+("code", r"""
+def ask(base_url, model, question, max_tokens=32):
+    client = openai.OpenAI(base_url=base_url, api_key="unused")
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                           max_tokens=max_tokens, temperature=0)
+    return reply.choices[0].message.content
+
+print(ask(server.base_url, "smollm2", "What is a KV cache?"))
+# print(ask("http://localhost:8000/v1", "HuggingFaceTB/SmolLM2-135M-Instruct", "What is a KV cache?"))   # vLLM
+"""),
+("md", r"""
+## 4. Many clients, one engine
+
+Every HTTP request becomes a `Request` handed to the one thread that owns the engine; the scheduler
+admits it at the next step. Eight clients at once therefore share batches, exactly like offline
+`llm.generate` with eight prompts. `/debug/engine` shows the KV pool from the engine thread's side.
+"""),
+("code", r"""
+first_step = len(llm.engine.step_log)
+questions = [f"Name {n} animals." for n in range(2, 10)]
+with ThreadPoolExecutor(len(questions)) as pool:
+    answers = list(pool.map(lambda q: ask(server.base_url, "smollm2", q, max_tokens=16), questions))
+steps = llm.engine.step_log[first_step:]
+print("requests per engine step:", [s["num_seqs"] for s in steps])
+print(httpx.get(f"{server.url}/debug/engine").json())
+"""),
+("md", r"""
+## 5. A client that hangs up frees its KV blocks
+
+When a streaming client disconnects, the handler's stream is cancelled and it sends an abort to the
+engine thread, which drops the request from the batch and returns its blocks to the pool.
+"""),
+("code", r"""
+body = {"model": "smollm2", "prompt": "Tell me a long story.", "max_tokens": 500, "temperature": 0,
+        "ignore_eos": True, "stream": True}
+with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+    events = (line for line in response.iter_lines() if line)
+    print([next(events)[:60] for _ in range(3)], "... hanging up")
+stats = httpx.get(f"{server.url}/debug/engine").json()
+while stats["num_requests"]:                      # the abort reaches the engine thread within a step
+    time.sleep(0.05)
+    stats = httpx.get(f"{server.url}/debug/engine").json()
+print(stats)
+"""),
+("md", r"""
+## 6. Load test: what the request rate does to throughput and latency
+
+Poisson arrivals at several rates, streamed chat requests of a fixed length (`ignore_eos`), TTFT and TPOT
+measured by the client (`minillm/benchmarks/serve.py`; the full run is
+`python -m minillm bench serve --json results/serve.json`). More load means bigger batches and more
+tokens/s, until the engine saturates: then requests queue and TTFT climbs.
+"""),
+("code", r"""
+rates = [1.0, 4.0] if QUICK else [0.5, 1.0, 2.0, 4.0]
+num_requests, max_tokens = (4, 8) if QUICK else (16, 32)
+rows = [serve_bench.load_test(server.base_url, "smollm2", rate, num_requests, max_tokens) for rate in rates]
+for r in rows:
+    print(f"{r['rate_req_s']:4g} req/s: {r['output_tok_s']:6.1f} tok/s   TTFT p50 {r['ttft_p50_s']:.2f} s  "
+          f"p99 {r['ttft_p99_s']:.2f} s   TPOT p50 {r['tpot_p50_ms']:.0f} ms  p99 {r['tpot_p99_ms']:.0f} ms")
+serve_bench.plot(rows)
+plt.show()
+"""),
+("code", r"""
+server.stop()
+"""),
+]
