@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 
@@ -25,7 +26,12 @@ def _bench(args) -> None:
     from .benchmarks.common import format_table, write_json
 
     module = benchmarks.load(args.name)
-    doc = module.run(quick=args.quick)
+    kwargs = {}
+    if args.dtype is not None:
+        if "dtype" not in inspect.signature(module.run).parameters:
+            raise SystemExit(f"bench {args.name} has no --dtype (it measures its own list of dtypes)")
+        kwargs["dtype"] = args.dtype
+    doc = module.run(quick=args.quick, **kwargs)
     print(format_table(doc["results"]))
     print(json.dumps(doc["summary"], indent=2, default=float))
     if args.json:
@@ -76,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("name")
     b.add_argument("--quick", action="store_true", help="small sizes, for CI and a first look")
     b.add_argument("--json", default=None, help="write the result document here")
+    b.add_argument("--dtype", default=None, help="for benchmarks that take one (batching): float32 | bfloat16")
     b.set_defaults(func=_bench)
 
     d = sub.add_parser("demo", help="chat with SmolLM2, streamed, then report tokens/s")

@@ -11,8 +11,9 @@ concatenates them all into ONE flat sequence of N tokens, so every linear layer 
 
 Only attention needs to know where one request ends and the next begins:
 - decode rows (one new token each) attend together: on a GPU the Triton kernel walks each
-  block table (kernels/paged_attention.py); on CPU we gather each request's K/V through its
-  slots into a padded (Bd, Hkv, L_max, D) batch and run torch's SDPA with a padding mask;
+  block table (kernels/paged_attention.py); on CPU we copy each request's blocks (whole
+  blocks, into one buffer reused by every layer) into a padded (Bd, L_pad, Hkv, D) batch and
+  run torch's SDPA with a padding mask;
 - a prefill chunk of T tokens after `start` cached ones attends to start + T keys, causally
   with an offset (query t sees keys 0..start + t).
 
@@ -20,6 +21,7 @@ Compared with forward_fast (the contiguous batch-1 path) what is new is marked  
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from .fast_decode import RopeTable, _prefix_mask, _rope, is_fused, linear, lm_head
 from .model import Llama, ModelConfig
+from .paged import block_table_tensor, gather_blocks
 from .quant.kv_int8 import dequantize_kv, quantize_kv
 
 
@@ -89,15 +92,16 @@ class PagedKVCache:
             else:
                 flat.index_copy_(0, slot_mapping, x)
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V at slots (any shape S) -> two (*S, Hkv, D) tensors in the compute dtype."""
-        out = []
-        for cache, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            x = cache[layer].view(-1, *cache.shape[3:])[slots]                # (*S, Hkv, D)
+    def gather(self, layer: int, block_tables: torch.Tensor, out: tuple | None = None):
+        """Whole blocks of (B, n) block tables -> K, V (B, n * block_size, Hkv, D) in the compute
+        dtype (paged.gather_blocks; past each length: stale, mask it). out: two buffers to reuse."""
+        result = []
+        for j, (cache, scales) in enumerate(((self.k, self.k_scale), (self.v, self.v_scale))):
+            x = gather_blocks(cache[layer], block_tables, None if out is None else out[j])
             if self.quantized:
-                x = dequantize_kv(x, scales[layer].view(-1, *scales.shape[3:])[slots], self.dtype)
-            out.append(x)
-        return out[0], out[1]
+                x = dequantize_kv(x, gather_blocks(scales[layer], block_tables), self.dtype)
+            result.append(x)
+        return result[0], result[1]
 
 
 @dataclass
@@ -108,52 +112,45 @@ class PagedBatch:
     slot_mapping: torch.Tensor     # (N,) int64
     logits_rows: torch.Tensor      # (K,) rows of the N whose logits are returned
     decode_rows: torch.Tensor      # (Bd,) rows that are single decode tokens
-    decode_slots: torch.Tensor     # (Bd, L_max) cache slots of their keys (padding: slot 0)
-    decode_mask: torch.Tensor      # (Bd, 1, 1, L_max) True where a key is real
+    decode_tables: torch.Tensor    # (Bd, max_blocks) int32 block tables (padding: block 0)
     decode_lens: torch.Tensor      # (Bd,) int32 keys per decode row
-    decode_tables: torch.Tensor    # (Bd, max_blocks) int32 block tables (for the GPU kernel)
-    prefills: list                 # [(row_start, T, key_slots (L,), mask (T, L) or None)]
+    decode_mask: torch.Tensor      # (Bd, 1, 1, max_blocks * block_size) True where a key is real
+    prefills: list                 # [(row_start, T, start, block_table (1, n) int32, mask (T, start+T) or None)]
 
 
 def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_logits: list[str],
                 block_size: int, device) -> PagedBatch:
-    """runs: per request (new token ids, start position, block table, slots of positions
-    0..start+T-1). want_logits per run: "last" (the last row), "all" (every row) or "none"."""
+    """runs: per request (new token ids, start position, block table, slots of the new tokens).
+    want_logits per run: "last" (the last row), "all" (every row) or "none"."""
     tokens, positions, slots, logits_rows = [], [], [], []
-    dec_rows, dec_slots, dec_tables, prefills = [], [], [], []
+    dec_rows, dec_lens, dec_tables, prefills = [], [], [], []
     row = 0
-    for (new, start, table, key_slots), want in zip(runs, want_logits):
+    for (new, start, table, new_slots), want in zip(runs, want_logits):
         T = len(new)
         tokens += new
         positions += range(start, start + T)
-        slots += key_slots[start:start + T]
+        slots += new_slots
         if want == "all":
             logits_rows += range(row, row + T)
         elif want == "last":
             logits_rows.append(row + T - 1)
         if T == 1:
             dec_rows.append(row)
-            dec_slots.append(key_slots)
+            dec_lens.append(start + 1)
             dec_tables.append(table)
         else:
-            mask = _prefix_mask(start, T, device) if start else None           # (T, L) or causal
-            prefills.append((row, T, torch.tensor(key_slots, device=device), mask))
+            mask = _prefix_mask(start, T, device) if start else None           # (T, start+T) or causal
+            blocks = block_table_tensor([table[:math.ceil((start + T) / block_size)]], device)   # (1, n)
+            prefills.append((row, T, start, blocks, mask))
         row += T
-    L_max = max([1, *map(len, dec_slots)])
-    slot_pad = torch.zeros(len(dec_slots), L_max, dtype=torch.long)
-    lens = torch.tensor([len(s) for s in dec_slots], dtype=torch.int32)
-    for b, s in enumerate(dec_slots):
-        slot_pad[b, :len(s)] = torch.tensor(s)
-    mask = torch.arange(L_max)[None, :] < lens[:, None]                          # (Bd, L_max)
-    width = max([1, *map(len, dec_tables)])
-    tables = torch.zeros(len(dec_tables), width, dtype=torch.int32)
-    for b, t in enumerate(dec_tables):
-        tables[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    tables = block_table_tensor(dec_tables)                                    # (Bd, max_blocks)
+    lens = torch.tensor(dec_lens, dtype=torch.int32)                           # (Bd,)
+    mask = torch.arange(tables.shape[1] * block_size)[None, :] < lens[:, None]   # (Bd, L_pad)
     as_long = dict(dtype=torch.long, device=device)
     return PagedBatch(torch.tensor(tokens, **as_long), torch.tensor(positions, **as_long),
                       torch.tensor(slots, **as_long), torch.tensor(logits_rows, **as_long),
-                      torch.tensor(dec_rows, **as_long), slot_pad.to(device),
-                      mask[:, None, None].to(device), lens.to(device), tables.to(device), prefills)
+                      torch.tensor(dec_rows, **as_long), tables.to(device), lens.to(device),
+                      mask[:, None, None].to(device), prefills)
 
 
 class ModelRunner:
@@ -164,6 +161,20 @@ class ModelRunner:
         self.fused = is_fused(model)            # fused QKV / gate-up (not for quantised models)
         # the Triton kernels read the model's dtype from the blocks; an int8 cache takes the gather path
         self.use_triton = kv.k.device.type == "cuda" and not kv.quantized
+        self._buffers = [torch.empty(0, dtype=kv.k.dtype, device=kv.k.device) for _ in range(2)]
+
+    def _decode_buffers(self, batch: PagedBatch) -> tuple | None:
+        """Two (Bd * max_blocks, block_size, Hkv, D) buffers that every layer's K/V copy reuses.
+        They only grow, so after the first steps there is no allocation (and no page faults)
+        per layer: a fresh 10 MB tensor per layer cost as much as the copy itself."""
+        if self.kv.quantized or self.use_triton:
+            return None                                                  # dequantising allocates anyway
+        shape = (batch.decode_tables.numel(), *self.kv.k.shape[2:])
+        n = math.prod(shape)
+        for i, buf in enumerate(self._buffers):
+            if buf.numel() < n:
+                self._buffers[i] = torch.empty(n, dtype=buf.dtype, device=buf.device)
+        return tuple(buf[:n].view(shape) for buf in self._buffers)
 
     @torch.no_grad()
     def forward(self, batch: PagedBatch) -> torch.Tensor:
@@ -174,11 +185,12 @@ class ModelRunner:
         cos = self.rope.cos[batch.positions][:, None]                    # (N, 1, D/2)
         sin = self.rope.sin[batch.positions][:, None]
         h = model.embed(batch.tokens)                                    # (N, dim)
+        buffers = self._decode_buffers(batch)
         for i, layer in enumerate(model.layers):
             q, k, v = self._qkv(layer.attn, layer.attn_norm(h))          # (N, H, D) each
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             self._store(i, k, v, batch.slot_mapping)                     # NEW: paged
-            out = self._attention(i, q, batch)                           # (N, Hq, D)
+            out = self._attention(i, q, batch, buffers)                         # (N, Hq, D)
             h = h + linear(layer.attn.wo, out.reshape(N, Hq * D))
             x = layer.ffn_norm(h)
             if self.fused:
@@ -204,7 +216,7 @@ class ModelRunner:
         else:
             self.kv.store(layer, k, v, slot_mapping)
 
-    def _attention(self, layer: int, q, batch: PagedBatch):
+    def _attention(self, layer: int, q, batch: PagedBatch, buffers=None):
         """q (N, Hq, D) -> (N, Hq, D); each row attends to its own request's keys only."""
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]            # (blocks, bs, Hkv, D)
         only_decodes = not batch.prefills
@@ -214,18 +226,19 @@ class ModelRunner:
             if self.use_triton:
                 from kernels.paged_attention import paged_attention_decode
                 od = paged_attention_decode(qd, k_cache, v_cache, batch.decode_tables, batch.decode_lens)
-            else:                                                         # gather, then SDPA
-                keys, values = self.kv.gather(layer, batch.decode_slots)  # (Bd, L_max, Hkv, D)
-                keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # (Bd, Hkv, L_max, D)
+            else:                                                         # copy blocks, then SDPA
+                keys, values = self.kv.gather(layer, batch.decode_tables, buffers)   # (Bd, L_pad, Hkv, D)
+                keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # (Bd, Hkv, L_pad, D)
                 od = F.scaled_dot_product_attention(qd[:, :, None], keys, values, attn_mask=batch.decode_mask,
                                                     enable_gqa=True)[:, :, 0]   # (Bd, Hq, D)
             if only_decodes:                                              # rows are 0..N-1 in order
                 return od
             out[batch.decode_rows] = od
-        for row, T, key_slots, mask in batch.prefills:
+        for row, T, start, blocks, mask in batch.prefills:
             qp = q[row:row + T].transpose(0, 1)[None]                     # (1, Hq, T, D)
-            keys, values = self.kv.gather(layer, key_slots)               # (L, Hkv, D)
-            keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]   # (1, Hkv, L, D)
+            keys, values = self.kv.gather(layer, blocks)                  # (1, L_pad, Hkv, D)
+            keys = keys[:, :start + T].transpose(1, 2)                    # (1, Hkv, L, D)
+            values = values[:, :start + T].transpose(1, 2)
             op = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, is_causal=mask is None,
                                                 enable_gqa=True)          # (1, Hq, T, D)
             out[row:row + T] = op[0].transpose(0, 1)

