@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from .model_runner import KV_CACHE_DTYPES, ModelRunner, PagedKVCache, build_batch
+from .model_runner import GROUP_COST_BLOCKS, KV_CACHE_DTYPES, ModelRunner, PagedKVCache, build_batch
 from .paged import BlockManager
 from .request import Request, RequestStatus
 from .scheduler import Scheduler
@@ -69,6 +69,7 @@ class Engine:
                                    enable_chunked_prefill)
         self.kv = PagedKVCache(cfg, num_kv_blocks, block_size, dtype, llm.device, kv_cache_dtype)
         self.runner = ModelRunner(llm.model, self.kv, llm.rope)
+        self.decode_group_cost = GROUP_COST_BLOCKS           # model_runner.group_by_length (CPU attention)
         self.requests: dict[str, Request] = {}
         self.step_log: list[dict] = []
 
@@ -110,7 +111,7 @@ class Engine:
             runs.append((req.all_token_ids[start:end], start, bm.block_table(req.request_id),
                          bm.slot_mapping(req.request_id, start, end)))
             wants.append(want)
-        batch = build_batch(runs, wants, bm.block_size, self.kv.k.device)
+        batch = build_batch(runs, wants, bm.block_size, self.kv.k.device, self.decode_group_cost)
         logits = self.runner.forward(batch)                                # (K, V)
         to_sample = set(map(id, self.scheduler.update(plan)))
         # greedy rows: one argmax over the whole (K, V) block, in fp32 (bf16 argmax is 4x slower here)

@@ -7,7 +7,9 @@ is overhead: one kernel launch + Python dispatch per small op, per layer. What t
      [w_gate; w_up]: 5 GEMVs per layer become 2 (fewer launches, longer contiguous reads);
      the original modules' weights become views into the fused ones, so nothing is copied
      and the naive model still runs on the very same numbers;
-  2. RoPE from a precomputed cos/sin table (no pow/cos/sin per step);
+  2. fewer small ops: RoPE as ONE complex multiply by a precomputed e^{i*angle} table, for q
+     and k together (the interleaved (even, odd) pairs are complex numbers; 3 kernels instead
+     of ~18), and RMSNorm as one fused kernel (F.rms_norm) instead of 7 elementwise ones;
   3. attention by torch's fused scaled_dot_product_attention over the valid cache prefix
      (GQA without copying K/V: enable_gqa);
   4. the LM head applied to the last position only;
@@ -92,19 +94,27 @@ def lm_head(model: Llama, h: torch.Tensor, gemv: bool = True) -> torch.Tensor:
 
 
 class RopeTable:
-    """cos/sin for every position up to max_len, computed once: (max_len, D/2) each."""
+    """RoPE angles for every position up to max_len, computed once: cos/sin (max_len, D/2) and
+    the same as unit complex numbers, rotation = cos + i sin (max_len, D/2) complex64."""
 
     def __init__(self, head_dim: int, theta: float, max_len: int, device):
         inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
         angles = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv_freq
         self.cos, self.sin = angles.cos(), angles.sin()
+        self.rotation = torch.complex(self.cos, self.sin)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved-pair rotation; x (B, T, H, D), cos/sin (B or 1, T, 1, D/2)."""
-    xf = x.float().unflatten(-1, (-1, 2))                                 # (B, T, H, D/2, 2)
-    even, odd = xf[..., 0], xf[..., 1]
-    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), -1).flatten(-2).type_as(x)
+def _rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rotate each (even, odd) pair of x (..., H, D) by its angle: as complex numbers,
+    (even + i*odd) * (cos + i*sin) = (even*cos - odd*sin) + i*(even*sin + odd*cos).
+    rotation (..., 1, D/2) complex, broadcast over heads. Computed in fp32, returned in x's dtype."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))       # (..., H, D/2)
+    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
+
+
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """model.RMSNorm's forward as one fused kernel (same math: x / rms(x) * weight)."""
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
 
 
 @torch.no_grad()
@@ -129,14 +139,13 @@ def forward_fast(model: Llama, tokens: torch.Tensor, cache: KVCache, rope: RopeT
     end = start + T
     if end > cache.max_len:
         raise ValueError(f"KV cache holds {cache.max_len} positions; this step needs {end}")
-    cos = rope.cos[start:end][None, :, None]                              # (1, T, 1, D/2)
-    sin = rope.sin[start:end][None, :, None]
+    rotation = rope.rotation[start:end][None, :, None]                    # (1, T, 1, D/2) complex
     h = model.embed(tokens)                                               # (1, T, dim)
     for i, layer in enumerate(model.layers):
-        qkv = linear(layer.attn.wqkv, layer.attn_norm(h), gemv)          # (1, T, (Hq+2Hkv)*D)
-        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-        q = _rope(q.view(B, T, Hq, D), cos, sin).transpose(1, 2)          # (1, Hq, T, D)
-        k = _rope(k.view(B, T, Hkv, D), cos, sin).transpose(1, 2)         # (1, Hkv, T, D)
+        qkv = linear(layer.attn.wqkv, rms_norm(layer.attn_norm, h), gemv)  # (1, T, (Hq+2Hkv)*D)
+        qk, v = qkv.split([(Hq + Hkv) * D, Hkv * D], dim=-1)
+        qk = _rope(qk.view(B, T, Hq + Hkv, D), rotation).transpose(1, 2)  # (1, Hq+Hkv, T, D)
+        q, k = qk[:, :Hq], qk[:, Hq:]                                     # (1, Hq, T, D), (1, Hkv, T, D)
         cache.k[i, :, :, start:end] = k
         cache.v[i, :, :, start:end] = v.view(B, T, Hkv, D).transpose(1, 2)
         keys, values = cache.k[i, :, :, :end], cache.v[i, :, :, :end]     # (1, Hkv, end, D)
@@ -147,7 +156,7 @@ def forward_fast(model: Llama, tokens: torch.Tensor, cache: KVCache, rope: RopeT
                                                  attn_mask=_prefix_mask(start, T, h.device) if T > 1 and start else None,
                                                  enable_gqa=True)         # (1, Hq, T, D)
         h = h + linear(layer.attn.wo, out.transpose(1, 2).reshape(B, T, Hq * D), gemv)
-        gate, up = linear(layer.ffn.w_gate_up, layer.ffn_norm(h), gemv).chunk(2, dim=-1)  # (1, T, ffn) each
+        gate, up = linear(layer.ffn.w_gate_up, rms_norm(layer.ffn_norm, h), gemv).chunk(2, dim=-1)  # (1, T, ffn) each
         h = h + linear(layer.ffn.w_down, F.silu(gate) * up, gemv)
     cache.lengths[0] = end
     return lm_head(model, h[:, -1], gemv)                                 # (1, V)

@@ -232,13 +232,18 @@ class LLM:
     # ---- public API -------------------------------------------------------------------------
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion. Without speculative decoding all requests go through the
-        continuous batching engine together; with it, one at a time on the contiguous cache."""
+        """Run every prompt to completion. Requests go through the continuous batching engine
+        together, except (a) with speculative decoding and (b) a lone request that needs nothing
+        the engine adds (prefix caching, an int8 KV cache): those run one at a time on the
+        contiguous cache, the batch-1 fast path of lesson 02 (no paging, gathering or masks)."""
         requests = self.make_requests(prompts, sampling_params)
         from tqdm.auto import tqdm
 
+        contiguous = self.speculative_method is not None or (
+            len(requests) == 1 and not self.engine_args["enable_prefix_caching"]
+            and self.engine_args["kv_cache_dtype"] == "auto")
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
-            if self.speculative_method is None:
+            if not contiguous:
                 self.engine.run(requests, progress=bar)
             else:
                 for req in requests:

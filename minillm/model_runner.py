@@ -12,8 +12,9 @@ concatenates them all into ONE flat sequence of N tokens, so every linear layer 
 Only attention needs to know where one request ends and the next begins:
 - decode rows (one new token each) attend together: on a GPU the Triton kernel walks each
   block table (kernels/paged_attention.py); on CPU we copy each request's blocks (whole
-  blocks, into one buffer reused by every layer) into a padded (Bd, L_pad, Hkv, D) batch and
-  run torch's SDPA with a padding mask;
+  blocks, into one buffer reused by every layer) into a padded (Bg, L_pad, Hkv, D) batch and
+  run torch's SDPA with a padding mask, in groups of rows of similar length so that short
+  requests are not padded to the longest one (group_by_length);
 - a prefill chunk of T tokens after `start` cached ones attends to start + T keys, causally
   with an offset (query t sees keys 0..start + t).
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .fast_decode import RopeTable, _prefix_mask, _rope, is_fused, linear, lm_head
+from .fast_decode import RopeTable, _prefix_mask, _rope, is_fused, linear, lm_head, rms_norm
 from .model import Llama, ModelConfig
 from .paged import block_table_tensor, gather_blocks
 from .quant.kv_int8 import dequantize_kv, quantize_kv
@@ -104,6 +105,38 @@ class PagedKVCache:
         return result[0], result[1]
 
 
+# One more attention call per layer (two block copies + one SDPA) costs about as much as
+# copying and reading 16 blocks more (measured on the 2-core CPU, bf16, block_size 16).
+GROUP_COST_BLOCKS = 16
+
+
+def group_by_length(num_blocks: list[int], cost: int = GROUP_COST_BLOCKS) -> list[list[int]]:
+    """Split decode rows into groups, each padded only to its own longest row: the partition
+    with the fewest (blocks copied + `cost` per group), exactly (dynamic programming over the
+    rows sorted by length). -> lists of row indices; one group keeps the original order."""
+    order = sorted(range(len(num_blocks)), key=num_blocks.__getitem__)
+    n = [num_blocks[i] for i in order]                                  # ascending
+    best, cut = [0] + [math.inf] * len(n), [0] * (len(n) + 1)
+    for j in range(1, len(n) + 1):                                      # rows order[i:j] form the last group
+        for i in range(j):
+            c = best[i] + cost + (j - i) * n[j - 1]
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], len(n)
+    while j:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return [list(range(len(n)))] if len(groups) == 1 else groups[::-1]
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows whose keys are copied and attended together on CPU (padded to the group's longest)."""
+    rows: torch.Tensor             # (Bg,) rows of the batch
+    tables: torch.Tensor           # (Bg, n) int32 block tables (padding: block 0)
+    mask: torch.Tensor             # (Bg, 1, 1, n * block_size) True where a key is real
+
+
 @dataclass
 class PagedBatch:
     """Everything one forward needs; built once per step, shared by all layers."""
@@ -112,14 +145,14 @@ class PagedBatch:
     slot_mapping: torch.Tensor     # (N,) int64
     logits_rows: torch.Tensor      # (K,) rows of the N whose logits are returned
     decode_rows: torch.Tensor      # (Bd,) rows that are single decode tokens
-    decode_tables: torch.Tensor    # (Bd, max_blocks) int32 block tables (padding: block 0)
-    decode_lens: torch.Tensor      # (Bd,) int32 keys per decode row
-    decode_mask: torch.Tensor      # (Bd, 1, 1, max_blocks * block_size) True where a key is real
+    decode_tables: torch.Tensor    # (Bd, max_blocks) int32 block tables, for the GPU kernel
+    decode_lens: torch.Tensor      # (Bd,) int32 keys per decode row, for the GPU kernel
+    decode_groups: list            # [DecodeGroup], for the CPU path
     prefills: list                 # [(row_start, T, start, block_table (1, n) int32, mask (T, start+T) or None)]
 
 
 def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_logits: list[str],
-                block_size: int, device) -> PagedBatch:
+                block_size: int, device, group_cost: int = GROUP_COST_BLOCKS) -> PagedBatch:
     """runs: per request (new token ids, start position, block table, slots of the new tokens).
     want_logits per run: "last" (the last row), "all" (every row) or "none"."""
     tokens, positions, slots, logits_rows = [], [], [], []
@@ -137,20 +170,24 @@ def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_lo
         if T == 1:
             dec_rows.append(row)
             dec_lens.append(start + 1)
-            dec_tables.append(table)
+            dec_tables.append(table[:math.ceil((start + 1) / block_size)])
         else:
             mask = _prefix_mask(start, T, device) if start else None           # (T, start+T) or causal
             blocks = block_table_tensor([table[:math.ceil((start + T) / block_size)]], device)   # (1, n)
             prefills.append((row, T, start, blocks, mask))
         row += T
-    tables = block_table_tensor(dec_tables)                                    # (Bd, max_blocks)
-    lens = torch.tensor(dec_lens, dtype=torch.int32)                           # (Bd,)
-    mask = torch.arange(tables.shape[1] * block_size)[None, :] < lens[:, None]   # (Bd, L_pad)
+    groups = []
+    for members in group_by_length([len(t) for t in dec_tables], group_cost) if dec_rows else []:
+        tables = block_table_tensor([dec_tables[i] for i in members])         # (Bg, n)
+        lens = torch.tensor([dec_lens[i] for i in members])                   # (Bg,)
+        mask = torch.arange(tables.shape[1] * block_size)[None, :] < lens[:, None]   # (Bg, n * bs)
+        groups.append(DecodeGroup(torch.tensor([dec_rows[i] for i in members], dtype=torch.long, device=device),
+                                  tables.to(device), mask[:, None, None].to(device)))
     as_long = dict(dtype=torch.long, device=device)
     return PagedBatch(torch.tensor(tokens, **as_long), torch.tensor(positions, **as_long),
                       torch.tensor(slots, **as_long), torch.tensor(logits_rows, **as_long),
-                      torch.tensor(dec_rows, **as_long), tables.to(device), lens.to(device),
-                      mask[:, None, None].to(device), prefills)
+                      torch.tensor(dec_rows, **as_long), block_table_tensor(dec_tables, device),
+                      torch.tensor(dec_lens, dtype=torch.int32, device=device), groups, prefills)
 
 
 class ModelRunner:
@@ -164,12 +201,12 @@ class ModelRunner:
         self._buffers = [torch.empty(0, dtype=kv.k.dtype, device=kv.k.device) for _ in range(2)]
 
     def _decode_buffers(self, batch: PagedBatch) -> tuple | None:
-        """Two (Bd * max_blocks, block_size, Hkv, D) buffers that every layer's K/V copy reuses.
-        They only grow, so after the first steps there is no allocation (and no page faults)
-        per layer: a fresh 10 MB tensor per layer cost as much as the copy itself."""
-        if self.kv.quantized or self.use_triton:
+        """Two (Bg * n, block_size, Hkv, D) buffers, for the largest decode group, that every
+        layer's K/V copy reuses. They only grow, so after the first steps there is no allocation
+        (and no page faults) per layer: a fresh 10 MB tensor per layer cost as much as the copy."""
+        if self.kv.quantized or self.use_triton or not batch.decode_groups:
             return None                                                  # dequantising allocates anyway
-        shape = (batch.decode_tables.numel(), *self.kv.k.shape[2:])
+        shape = (max(g.tables.numel() for g in batch.decode_groups), *self.kv.k.shape[2:])
         n = math.prod(shape)
         for i, buf in enumerate(self._buffers):
             if buf.numel() < n:
@@ -182,17 +219,15 @@ class ModelRunner:
         model, cfg = self.model, self.model.cfg
         Hq, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         N = batch.tokens.shape[0]
-        cos = self.rope.cos[batch.positions][:, None]                    # (N, 1, D/2)
-        sin = self.rope.sin[batch.positions][:, None]
+        rotation = self.rope.rotation[batch.positions][:, None]          # (N, 1, D/2) complex
         h = model.embed(batch.tokens)                                    # (N, dim)
         buffers = self._decode_buffers(batch)
         for i, layer in enumerate(model.layers):
-            q, k, v = self._qkv(layer.attn, layer.attn_norm(h))          # (N, H, D) each
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k, v = self._qkv(layer.attn, rms_norm(layer.attn_norm, h), rotation)   # (N, H, D) each, q k rotated
             self._store(i, k, v, batch.slot_mapping)                     # NEW: paged
-            out = self._attention(i, q, batch, buffers)                         # (N, Hq, D)
+            out = self._attention(i, q, batch, buffers)                  # (N, Hq, D)
             h = h + linear(layer.attn.wo, out.reshape(N, Hq * D))
-            x = layer.ffn_norm(h)
+            x = rms_norm(layer.ffn_norm, h)
             if self.fused:
                 gate, up = linear(layer.ffn.w_gate_up, x).chunk(2, dim=-1)   # (N, ffn) each
                 h = h + linear(layer.ffn.w_down, F.silu(gate) * up)
@@ -200,14 +235,16 @@ class ModelRunner:
                 h = h + layer.ffn(x)
         return lm_head(model, h[batch.logits_rows])                      # (K, V)
 
-    def _qkv(self, attn, x):
+    def _qkv(self, attn, x, rotation):
+        """-> q (N, Hq, D), k (N, Hkv, D) with RoPE applied, v (N, Hkv, D)."""
         cfg = self.model.cfg
         Hq, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        if self.fused:
-            q, k, v = linear(attn.wqkv, x).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-        else:
-            q, k, v = attn.wq(x), attn.wk(x), attn.wv(x)
-        return q.view(-1, Hq, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)
+        if self.fused:                                   # rotate q and k in one go
+            qk, v = linear(attn.wqkv, x).split([(Hq + Hkv) * D, Hkv * D], dim=-1)
+            qk = _rope(qk.view(-1, Hq + Hkv, D), rotation)                # (N, Hq+Hkv, D)
+            return qk[:, :Hq], qk[:, Hq:], v.view(-1, Hkv, D)
+        q, k, v = attn.wq(x), attn.wk(x), attn.wv(x)
+        return _rope(q.view(-1, Hq, D), rotation), _rope(k.view(-1, Hkv, D), rotation), v.view(-1, Hkv, D)
 
     def _store(self, layer: int, k, v, slot_mapping) -> None:
         if self.use_triton:
@@ -221,19 +258,26 @@ class ModelRunner:
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]            # (blocks, bs, Hkv, D)
         only_decodes = not batch.prefills
         out = None if only_decodes else torch.empty_like(q)
-        if batch.decode_rows.numel():
+        if self.use_triton and batch.decode_rows.numel():
+            from kernels.paged_attention import paged_attention_decode
             qd = q if only_decodes else q[batch.decode_rows]              # (Bd, Hq, D)
-            if self.use_triton:
-                from kernels.paged_attention import paged_attention_decode
-                od = paged_attention_decode(qd, k_cache, v_cache, batch.decode_tables, batch.decode_lens)
-            else:                                                         # copy blocks, then SDPA
-                keys, values = self.kv.gather(layer, batch.decode_tables, buffers)   # (Bd, L_pad, Hkv, D)
-                keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # (Bd, Hkv, L_pad, D)
-                od = F.scaled_dot_product_attention(qd[:, :, None], keys, values, attn_mask=batch.decode_mask,
-                                                    enable_gqa=True)[:, :, 0]   # (Bd, Hq, D)
+            od = paged_attention_decode(qd, k_cache, v_cache, batch.decode_tables, batch.decode_lens)
             if only_decodes:                                              # rows are 0..N-1 in order
                 return od
             out[batch.decode_rows] = od
+        elif batch.decode_groups:                                         # CPU: copy blocks, then SDPA
+            single = len(batch.decode_groups) == 1
+            for g in batch.decode_groups:
+                qd = q if only_decodes and single else q[g.rows]          # (Bg, Hq, D)
+                reuse = None if buffers is None else tuple(b[:g.tables.numel()] for b in buffers)
+                keys, values = self.kv.gather(layer, g.tables, reuse)    # (Bg, n * bs, Hkv, D)
+                od = F.scaled_dot_product_attention(qd[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
+                                                    attn_mask=g.mask, enable_gqa=True)[:, :, 0]   # (Bg, Hq, D)
+                if only_decodes and single:                               # rows are 0..N-1 in order
+                    return od
+                if out is None:
+                    out = torch.empty_like(q)
+                out[g.rows] = od
         for row, T, start, blocks, mask in batch.prefills:
             qp = q[row:row + T].transpose(0, 1)[None]                     # (1, Hq, T, D)
             keys, values = self.kv.gather(layer, blocks)                  # (1, L_pad, Hkv, D)

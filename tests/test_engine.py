@@ -3,12 +3,16 @@
 The reference is LLM.stream_request: one request at a time on the contiguous KV cache
 (itself proven equal to the naive baseline in test_kv_cache.py / test_fast_decode.py).
 """
+import itertools
+import random
+
 import pytest
 import torch
 
 from helpers import CharTokenizer, random_prompts
 from minillm import LLM, SamplingParams
 from minillm.model import random_model, tiny_config
+from minillm.model_runner import group_by_length
 
 LENGTHS = [1, 5, 17, 33, 64, 100, 3, 40]
 MAX_TOKENS = [5, 20, 1, 33, 12, 8, 40, 16]
@@ -63,6 +67,35 @@ def test_chunk_sizes_give_identical_outputs(reference, chunk):
     prompts, params = workload(llm.config.vocab_size)
     assert tokens(llm.generate(prompts, params, use_tqdm=False)) == reference
     assert max(s["num_tokens"] for s in llm.engine.step_log) <= chunk
+
+
+@pytest.mark.parametrize("group_cost", [0, 10**9])
+def test_decode_groups_give_identical_outputs(reference, group_cost):
+    """CPU decode attention in groups of similar length (cost 0: a group per distinct length)
+    or all rows padded together (a huge cost): same tokens."""
+    llm = tiny_llm(block_size=4)
+    llm.engine.decode_group_cost = group_cost
+    prompts, params = workload(llm.config.vocab_size)
+    groups = []
+    run_forward = llm.engine.runner.forward
+    llm.engine.runner.forward = lambda batch: groups.append(len(batch.decode_groups)) or run_forward(batch)
+    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == reference
+    assert (max(groups) == 1) if group_cost else (max(groups) >= 4)   # several lengths decode at once
+
+
+def test_group_by_length_is_the_cheapest_split():
+    rng = random.Random(0)
+    for _ in range(200):
+        blocks = [rng.randint(1, 40) for _ in range(rng.randint(1, 7))]
+        cost = rng.choice([0, 3, 16])
+        groups = group_by_length(blocks, cost)
+        assert sorted(i for g in groups for i in g) == list(range(len(blocks)))
+        price = lambda gs: sum(cost + len(g) * max(blocks[i] for i in g) for g in gs)
+        order = sorted(range(len(blocks)), key=blocks.__getitem__)
+        cheapest = min(price([order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))])
+                       for k in range(len(blocks)) for cuts in itertools.combinations(range(1, len(order)), k))
+        assert price(groups) == cheapest
+    assert group_by_length([5, 1, 3], 100) == [[0, 1, 2]]         # one group keeps the batch order
 
 
 def test_static_prefill_without_chunking(reference):
@@ -135,7 +168,9 @@ def test_prompt_logprobs_through_the_engine_equal_the_single_path():
     llm = tiny_llm(max_num_batched_tokens=16)                 # the prompt arrives in chunks
     prompt = {"prompt_token_ids": random_prompts([40], llm.config.vocab_size)[0]}
     params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0, logprobs=1)
-    got = llm.generate([prompt], params, use_tqdm=False)[0]
+    (got,) = llm.make_requests([prompt], params)
+    llm.engine.run([got])
+    got = llm.to_output(got)
     (req,) = llm.make_requests([prompt], params)
     for _ in llm.stream_request(req):
         pass
