@@ -15,6 +15,7 @@ included, runs in the same dtype):
   (d) continuous      minillm's engine, whole prompts per step (chunked prefill off)
   (e) continuous_chunked_prefix   the engine with chunked prefill and prefix caching on
 
+The systems run interleaved in rounds (see run()), because this VM's speed drifts over minutes.
 Throughput counts only the tokens the requests asked for (tokens a padded row computes after
 its request is done are waste, not output). TTFT is first token time - arrival; TPOT is the
 mean time between a request's output tokens.
@@ -116,7 +117,7 @@ def run_static(model, prompts, outputs, batch_size: int) -> dict:
     tpot = [(f - s) / (n - 1) if n > 1 else None
             for f, s, n in zip(res["finish_time"], res["first_token_time"], outputs)]
     return {"wall": wall, "ttft": ttft, "tpot": tpot, "tokens": res["token_ids"],
-            "waste": 1 - res["useful_tokens"] / res["computed_tokens"]}
+            "useful": res["useful_tokens"], "computed": res["computed_tokens"]}
 
 
 def run_engine(llm, prompts, outputs) -> dict:
@@ -136,6 +137,26 @@ def run_engine(llm, prompts, outputs) -> dict:
             "tpot": [r.metrics.time_per_output_token for r in reqs],
             "tokens": [r.output_token_ids for r in reqs], "steps": list(engine.step_log), "t0": p0,
             "cached": sum(r.num_cached_tokens for r in reqs), "preempted": sum(r.num_preemptions for r in reqs)}
+
+
+def merge_slices(slices: list[dict]) -> dict:
+    """Results of consecutive slices of one workload -> one result, as if run back to back."""
+    merged = {"wall": 0.0, "ttft": [], "tpot": [], "tokens": []}
+    for r in slices:
+        merged["ttft"] += [merged["wall"] + t for t in r["ttft"]]
+        merged["wall"] += r["wall"]
+        merged["tpot"] += r["tpot"]
+        merged["tokens"] += r["tokens"]
+        for key in ("useful", "computed"):
+            if key in r:
+                merged[key] = merged.get(key, 0) + r[key]
+    return merged
+
+
+def fresh_engine(llm):
+    """The same LLM with a new engine on first use: an empty KV pool and prefix cache."""
+    llm._engine = None
+    return llm
 
 
 def _plot(steps, t0, path):
@@ -174,24 +195,42 @@ def run(quick: bool, dtype: str = "bfloat16") -> dict:
     run_hf(hf, prompts[:1], [2], 1, tok.eos_token_id)
     run_static(base.model, prompts[:1], [2], 1)
     run_engine(base, prompts[:1], [2])
+    # Interleaved rounds: this VM's speed drifts by up to +-30% over minutes, so no system may run
+    # all of its work in a different stretch of time from the others. Round r runs slice r of the
+    # workload (HF_BATCH requests) through (a), (b), (c), then the WHOLE workload through (d) and
+    # (e). A sliced system's time is the sum of its slices (its TTFT: as if the slices ran back to
+    # back from t = 0); (d) and (e) report their median run.
+    rounds = [range(first, min(first + HF_BATCH, n)) for first in range(0, n, HF_BATCH)]
+    sliced = {"hf_sequential": lambda idx: run_hf(hf, [prompts[i] for i in idx], [outputs[i] for i in idx], 1,
+                                                  tok.eos_token_id),
+              "hf_batched": lambda idx: run_hf(hf, [prompts[i] for i in idx], [outputs[i] for i in idx], HF_BATCH,
+                                               tok.eos_token_id),
+              "static": lambda idx: run_static(base.model, [prompts[i] for i in idx], [outputs[i] for i in idx],
+                                               HF_BATCH)}
+    best = LLM(model=base.model, tokenizer=base.tokenizer, device="cpu", max_num_seqs=64, max_num_batched_tokens=512,
+               enable_chunked_prefill=True, enable_prefix_caching=True)    # same weights, (e)'s settings
+    parts = {name: [] for name in sliced}
+    engine_runs = {"continuous": [], "continuous_chunked_prefix": []}
+    for idx in rounds:
+        for name, fn in sliced.items():
+            parts[name].append(fn(idx))
+        engine_runs["continuous"].append(run_engine(base, prompts, outputs))
+        best = fresh_engine(best)
+        run_engine(best, prompts[:1], [2])                              # warm-up (and caches the system prompt)
+        engine_runs["continuous_chunked_prefix"].append(run_engine(best, prompts, outputs))
     results, tokens = [], {}
-    for name, fn in [
-        ("hf_sequential", lambda: run_hf(hf, prompts, outputs, 1, tok.eos_token_id)),
-        ("hf_batched", lambda: run_hf(hf, prompts, outputs, HF_BATCH, tok.eos_token_id)),
-        ("static", lambda: run_static(base.model, prompts, outputs, HF_BATCH)),
-        ("continuous", lambda: run_engine(base, prompts, outputs)),
-    ]:
-        r = fn()
+    for name, slices in parts.items():
+        r = merge_slices(slices)
         tokens[name] = r["tokens"]
-        extra = {"padding_waste": r["waste"]} if "waste" in r else {}
+        extra = {"padding_waste": 1 - r["useful"] / r["computed"]} if "useful" in r else {}
         results.append(summarise(name, r["wall"], sum(outputs), r["ttft"], r["tpot"], extra))
-    best = LLM(model="smollm2", dtype=dtype, device="cpu", max_num_seqs=64, max_num_batched_tokens=512,
-               enable_chunked_prefill=True, enable_prefix_caching=True)
-    run_engine(best, prompts[:1], [2])                                  # warm-up (and caches the system prompt)
-    r = run_engine(best, prompts, outputs)
-    tokens["continuous_chunked_prefix"] = r["tokens"]
-    results.append(summarise("continuous_chunked_prefix", r["wall"], sum(outputs), r["ttft"], r["tpot"],
-                             {"prefix_cached_tokens": r["cached"]}))
+    for name, runs in engine_runs.items():
+        r = sorted(runs, key=lambda x: x["wall"])[len(runs) // 2]
+        tokens[name] = r["tokens"]
+        extra = {"runs_s": [x["wall"] for x in runs]}
+        if name == "continuous_chunked_prefix":
+            extra["prefix_cached_tokens"] = r["cached"]
+        results.append(summarise(name, r["wall"], sum(outputs), r["ttft"], r["tpot"], extra))
     plot = "results/quick/batching-steps.png" if quick else "results/batching-steps.png"
     os.makedirs(os.path.dirname(plot), exist_ok=True)
     _plot(r["steps"], r["t0"], plot)
