@@ -117,7 +117,8 @@ def run_static(model, prompts, outputs, batch_size: int) -> dict:
     tpot = [(f - s) / (n - 1) if n > 1 else None
             for f, s, n in zip(res["finish_time"], res["first_token_time"], outputs)]
     return {"wall": wall, "ttft": ttft, "tpot": tpot, "tokens": res["token_ids"],
-            "useful": res["useful_tokens"], "computed": res["computed_tokens"]}
+            "useful": res["useful_tokens"], "computed": res["computed_tokens"],
+            "waste": 1 - res["useful_tokens"] / res["computed_tokens"]}
 
 
 def run_engine(llm, prompts, outputs) -> dict:
