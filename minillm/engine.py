@@ -69,7 +69,8 @@ class Engine:
                                    enable_chunked_prefill)
         self.kv = PagedKVCache(cfg, num_kv_blocks, block_size, dtype, llm.device, kv_cache_dtype)
         self.runner = ModelRunner(llm.model, self.kv, llm.rope)
-        self.decode_group_cost = GROUP_COST_BLOCKS           # model_runner.group_by_length (CPU attention)
+        # model_runner.group_by_length, for CPU attention; the GPU kernel takes every row at once
+        self.decode_group_cost = None if self.runner.use_triton else GROUP_COST_BLOCKS
         self.requests: dict[str, Request] = {}
         self.step_log: list[dict] = []
 
@@ -115,7 +116,8 @@ class Engine:
         logits = self.runner.forward(batch)                                # (K, V)
         to_sample = set(map(id, self.scheduler.update(plan)))
         # greedy rows: one argmax over the whole (K, V) block, in fp32 (bf16 argmax is 4x slower here)
-        greedy = logits.float().argmax(-1).tolist() if logits.numel() else []
+        any_greedy = any(r.params.greedy for r in plan.requests if id(r) in to_sample)
+        greedy = logits.float().argmax(-1).tolist() if any_greedy else []
         events, row = [], 0
         for req, n, want in zip(plan.requests, plan.num_new_tokens, wants):
             rows = n if want == "all" else int(want == "last")

@@ -94,14 +94,13 @@ def lm_head(model: Llama, h: torch.Tensor, gemv: bool = True) -> torch.Tensor:
 
 
 class RopeTable:
-    """RoPE angles for every position up to max_len, computed once: cos/sin (max_len, D/2) and
-    the same as unit complex numbers, rotation = cos + i sin (max_len, D/2) complex64."""
+    """RoPE angles for every position up to max_len, computed once, as unit complex numbers:
+    rotation = cos + i sin, (max_len, D/2) complex64."""
 
     def __init__(self, head_dim: int, theta: float, max_len: int, device):
         inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
         angles = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv_freq
-        self.cos, self.sin = angles.cos(), angles.sin()
-        self.rotation = torch.complex(self.cos, self.sin)
+        self.rotation = torch.complex(angles.cos(), angles.sin())
 
 
 def _rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:

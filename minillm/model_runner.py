@@ -152,9 +152,10 @@ class PagedBatch:
 
 
 def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_logits: list[str],
-                block_size: int, device, group_cost: int = GROUP_COST_BLOCKS) -> PagedBatch:
+                block_size: int, device, group_cost: int | None = GROUP_COST_BLOCKS) -> PagedBatch:
     """runs: per request (new token ids, start position, block table, slots of the new tokens).
-    want_logits per run: "last" (the last row), "all" (every row) or "none"."""
+    want_logits per run: "last" (the last row), "all" (every row) or "none".
+    group_cost None: no decode groups (the GPU kernel handles every length in one launch)."""
     tokens, positions, slots, logits_rows = [], [], [], []
     dec_rows, dec_lens, dec_tables, prefills = [], [], [], []
     row = 0
@@ -177,12 +178,13 @@ def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_lo
             prefills.append((row, T, start, blocks, mask))
         row += T
     groups = []
-    for members in group_by_length([len(t) for t in dec_tables], group_cost) if dec_rows else []:
-        tables = block_table_tensor([dec_tables[i] for i in members])         # (Bg, n)
-        lens = torch.tensor([dec_lens[i] for i in members])                   # (Bg,)
-        mask = torch.arange(tables.shape[1] * block_size)[None, :] < lens[:, None]   # (Bg, n * bs)
-        groups.append(DecodeGroup(torch.tensor([dec_rows[i] for i in members], dtype=torch.long, device=device),
-                                  tables.to(device), mask[:, None, None].to(device)))
+    if dec_rows and group_cost is not None:
+        for members in group_by_length([len(t) for t in dec_tables], group_cost):
+            tables = block_table_tensor([dec_tables[i] for i in members])         # (Bg, n)
+            lens = torch.tensor([dec_lens[i] for i in members])                   # (Bg,)
+            mask = torch.arange(tables.shape[1] * block_size)[None, :] < lens[:, None]   # (Bg, n * bs)
+            groups.append(DecodeGroup(torch.tensor([dec_rows[i] for i in members], dtype=torch.long, device=device),
+                                      tables.to(device), mask[:, None, None].to(device)))
     as_long = dict(dtype=torch.long, device=device)
     return PagedBatch(torch.tensor(tokens, **as_long), torch.tensor(positions, **as_long),
                       torch.tensor(slots, **as_long), torch.tensor(logits_rows, **as_long),
