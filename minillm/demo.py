@@ -17,6 +17,9 @@ def main(model: str = "smollm2", dtype: str = "float32", max_tokens: int = 96) -
     t0 = time.perf_counter()
     llm = LLM(model=model, dtype=dtype)
     print(f"loaded {model} ({dtype}, {llm.device}) in {time.perf_counter() - t0:.1f} s\n")
+    t0 = time.perf_counter()   # on CPU the first decode step compiles it (lesson 02, item 6): once per process
+    llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    print(f"warm-up (compiles the decode step on CPU) in {time.perf_counter() - t0:.1f} s\n")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     tokenizer = llm.get_tokenizer()
     total_tokens, total_time = 0, 0.0

@@ -13,12 +13,28 @@ is overhead: one kernel launch + Python dispatch per small op, per layer. What t
   3. attention by torch's fused scaled_dot_product_attention over the valid cache prefix
      (GQA without copying K/V: enable_gqa);
   4. the LM head applied to the last position only;
-  5. one-token projections as matrix-vector products (torch.mv): on this CPU the bf16 GEMV
-     kernel streams a weight about twice as fast as F.linear with one row (lesson 02 measures it).
+  5. one-token projections as matrix-vector products, by the GEMV below (`gemv=`):
+       "linear"    F.linear with one row: a GEMM kernel with M = 1 (the baseline's call);
+       "mv"        torch.mv: the BLAS GEMV kernel (MKL for fp32, oneDNN for bf16 on CPU);
+       "compiled"  the GEMV written as what it is, a row-wise dot product (W * x).sum(-1) in
+                   fp32, which torch.compile (Inductor) turns into ONE vectorised, threaded
+                   loop that reads each weight once. On the CPUs lesson 02 measures, the BLAS
+                   GEMVs stream a 576-wide weight at 11-16 GB/s, this loop at 20-30 GB/s;
+       "auto"      "compiled" on CPU (falling back to "mv", with a warning, where no C++
+                   compiler is found), "mv" on a GPU (cuBLAS's GEMV already streams at speed);
+  6. the whole decode step of a layer compiled (`compiled_step=`, CPU): one token through one
+     layer written as plain tensor math (row-wise dots, RoPE by cos/sin, attention as an explicit
+     softmax over the cache prefix) that torch.compile fuses into a handful of generated loops.
+     Every layer has the same shapes and the position is a symbolic int, so ONE compiled
+     function serves all 30 layers and every step. What it removes: the ~15 small eager ops per
+     layer (each a Python dispatch + a kernel launch), about half of a step once item 5 is on.
 
-Tested token-identical to the baseline in fp32 (tests/test_fast_decode.py).
+Tested token-identical to the baseline in fp32, for every gemv mode and with the compiled step
+(tests/test_fast_decode.py).
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn as nn
@@ -38,12 +54,17 @@ def fuse_projections(model: Llama) -> Llama:
             raise ValueError("fuse_projections needs plain nn.Linear projections (not quantised ones)")
         attn.wqkv = _fuse([attn.wq, attn.wk, attn.wv])
         ffn.w_gate_up = _fuse([ffn.w_gate, ffn.w_up])
+    is_fused(model)                                                       # takes the decode-weights snapshot
     return model
 
 
 def is_fused(model: Llama) -> bool:
     """True while every fused matrix still backs the modules the baseline uses (quantising or
-    replacing a projection after fusing makes this False, and the fast path must not be used)."""
+    replacing a projection after fusing makes this False, and the fast path must not be used).
+    Also re-takes model._decode_weights, the per-layer weights the compiled decode step reads
+    (item 6): every caller of forward_fast checks is_fused once per sequence, so a projection
+    replaced after fusing is seen before the next one."""
+    model._decode_weights = None
     for layer in model.layers:
         attn, ffn = layer.attn, layer.ffn
         if not hasattr(attn, "wqkv") or not hasattr(ffn, "w_gate_up"):
@@ -54,7 +75,23 @@ def is_fused(model: Llama) -> bool:
             storage = fused.weight.untyped_storage().data_ptr()
             if any(p.weight.untyped_storage().data_ptr() != storage for p in parts):
                 return False
+    model._decode_weights = _decode_weights(model)
     return True
+
+
+def _decode_weights(model: Llama) -> list[tuple[torch.Tensor, ...]] | None:
+    """Per layer (attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down) weights, detached (a Parameter
+    would pin its shape in the compiled guards); collected once, not per step (30 layers x 10
+    module lookups cost ~1 ms a step). None where a projection has a bias or is not a plain Linear."""
+    weights = []
+    for layer in model.layers:
+        attn, ffn = layer.attn, layer.ffn
+        linears = (attn.wqkv, attn.wo, ffn.w_gate_up, ffn.w_down)
+        if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
+            return None
+        weights.append((layer.attn_norm.weight.detach(), *(m.weight.detach() for m in linears[:2]),
+                        layer.ffn_norm.weight.detach(), *(m.weight.detach() for m in linears[2:])))
+    return weights
 
 
 def _fuse(linears: list[nn.Linear]) -> nn.Linear:
@@ -75,21 +112,74 @@ def _fuse(linears: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
-def linear(module: nn.Module, x: torch.Tensor, gemv: bool = True) -> torch.Tensor:
-    """module(x); but a single row x (one decode token) through a plain nn.Linear runs as
-    torch.mv(W, x): the same product, by a GEMV kernel instead of a GEMM one with M = 1."""
-    if gemv and type(module) is nn.Linear and x.numel() == module.in_features:
-        y = torch.mv(module.weight, x.reshape(-1))                         # (out,)
+GEMV_MODES = ("auto", "compiled", "mv", "linear")
+
+
+def _rowwise_dot(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """weight (out, in), x (in,) -> (out,) in weight's dtype: each output is one row . x, summed
+    in fp32. Written elementwise-then-reduce so that Inductor generates the loop itself (a
+    matmul here would be handed to the same BLAS kernel as torch.mv)."""
+    return (weight.float() * x.float()).sum(-1).to(weight.dtype)
+
+
+# Default (automatic) dynamic shapes: compiled for the exact shapes first; a size seen to change
+# is made symbolic in one recompile. Weight shapes never change, so the loops over them keep
+# static trip counts (about 20% faster than dynamic=True's all-symbolic code in bf16 here).
+_compiled_dot = torch.compile(_rowwise_dot)
+_compiler_broken: str | None = None                                       # why compiling is unavailable
+
+
+def _run_compiled(compiled, eager, *args):
+    """compiled(*args); where torch.compile cannot build (no C++ compiler), warn once and from
+    then on run eager(*args): the same math, unfused."""
+    global _compiler_broken
+    if _compiler_broken is None:
+        try:
+            return compiled(*args)
+        except Exception as e:                                            # Inductor's build error
+            _compiler_broken = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            warnings.warn(f"torch.compile could not build the CPU decode kernels ({_compiler_broken}); "
+                          "running them eagerly")
+    return eager(*args)
+
+
+def resolve_gemv(gemv: str, device) -> str:
+    """The GEMV mode that will actually run: "auto" picks per device; "compiled" needs a CPU
+    tensor and a working torch.compile (else a clear error)."""
+    if gemv not in GEMV_MODES:
+        raise ValueError(f"gemv = {gemv!r}; allowed: {', '.join(map(repr, GEMV_MODES))}")
+    on_cpu = torch.device(device).type == "cpu"
+    if gemv == "auto":
+        return "compiled" if on_cpu and _compiler_broken is None else "mv"
+    if gemv == "compiled" and not on_cpu:
+        raise ValueError("gemv='compiled' is the CPU GEMV; on a GPU use 'mv' or 'auto'")
+    return gemv
+
+
+def gemv_compiled(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """_rowwise_dot compiled (weight (out, in), x (in,) -> (out,)). Detached and base-less inputs:
+    a Parameter would pin its shape in the compiled guards, a view would add its base's."""
+    return _run_compiled(_compiled_dot, torch.mv, weight.detach(), x.detach().clone())
+
+
+def linear(module: nn.Module, x: torch.Tensor, gemv: str = "mv") -> torch.Tensor:
+    """module(x); but a single row x (one decode token) through a plain nn.Linear runs as a
+    matrix-vector product (gemv: "mv" or "compiled", see item 5; "linear" = module(x))."""
+    if gemv != "linear" and type(module) is nn.Linear and x.numel() == module.in_features:
+        w, v = module.weight, x.reshape(-1)                               # (out, in), (in,)
+        y = gemv_compiled(w, v) if gemv == "compiled" else torch.mv(w, v)  # (out,)
         if module.bias is not None:
             y = y + module.bias
         return y.view(*x.shape[:-1], -1)
     return module(x)
 
 
-def lm_head(model: Llama, h: torch.Tensor, gemv: bool = True) -> torch.Tensor:
+def lm_head(model: Llama, h: torch.Tensor, gemv: str = "mv") -> torch.Tensor:
     """model.logits(h), with the one-row case as a GEMV (the LM head is the largest matrix)."""
-    if gemv and model.lm_head is None and h.numel() == h.shape[-1]:
-        return torch.mv(model.embed.weight, model.norm(h).reshape(-1)).view(*h.shape[:-1], -1)
+    if gemv != "linear" and model.lm_head is None and h.numel() == h.shape[-1]:
+        w, v = model.embed.weight, model.norm(h).reshape(-1)             # (V, dim), (dim,)
+        logits = gemv_compiled(w, v) if gemv == "compiled" else torch.mv(w, v)
+        return logits.view(*h.shape[:-1], -1)
     return model.logits(h)
 
 
@@ -116,19 +206,79 @@ def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
 
 
+def decode_layer(h: torch.Tensor, attn_norm: torch.Tensor, wqkv: torch.Tensor, wo: torch.Tensor,
+                 ffn_norm: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, cos_sin: torch.Tensor,
+                 pos: int, n_heads: int, eps: float) -> torch.Tensor:
+    """Item 6: ONE decode token through ONE layer, the same math as forward_fast's loop body,
+    written for torch.compile: no module calls, GEMVs as row-wise dots, RoPE by cos/sin (Inductor
+    does not generate complex arithmetic), attention as an explicit softmax over the valid prefix.
+    h (dim,) -> (dim,); k_cache, v_cache (Hkv, max_len, D): this layer's cache, written at pos;
+    cos_sin (D/2, 2): the rotation at pos."""
+    Hkv, _, D = k_cache.shape
+    Hq = n_heads
+    x = F.rms_norm(h, attn_norm.shape, attn_norm, eps)                    # (dim,)
+    qk, v = _rowwise_dot(wqkv, x).split([(Hq + Hkv) * D, Hkv * D])       # ((Hq+Hkv)*D,), (Hkv*D,)
+    even, odd = qk.float().view(Hq + Hkv, D // 2, 2).unbind(-1)           # (Hq+Hkv, D/2) each
+    cos, sin = cos_sin.unbind(-1)                                         # (D/2,) each
+    qk = torch.stack([even * cos - odd * sin, even * sin + odd * cos], -1).view(Hq + Hkv, D).to(h.dtype)
+    q, k = qk.split([Hq, Hkv])                                            # (Hq, D), (Hkv, D)
+    k_cache.narrow(1, pos, 1).copy_(k.view(Hkv, 1, D))                    # narrow: pos stays symbolic
+    v_cache.narrow(1, pos, 1).copy_(v.view(Hkv, 1, D))
+    keys = k_cache.narrow(1, 0, pos + 1).float()                          # (Hkv, L, D)
+    values = v_cache.narrow(1, 0, pos + 1).float()                        # (Hkv, L, D)
+    q = q.float().view(Hkv, Hq // Hkv, D)                                 # (Hkv, G, D): GQA, K/V not copied
+    scores = (q[:, :, None] * keys[:, None]).sum(-1) * D ** -0.5          # (Hkv, G, L)
+    out = (scores.softmax(-1)[..., None] * values[:, None]).sum(-2)       # (Hkv, G, D)
+    h = h + _rowwise_dot(wo, out.reshape(Hq * D).to(h.dtype))
+    gate, up = _rowwise_dot(w_gate_up, F.rms_norm(h, ffn_norm.shape, ffn_norm, eps)).chunk(2)  # (ffn,) each
+    return h + _rowwise_dot(w_down, F.silu(gate) * up)
+
+
+# All layers have the same shapes, so one compiled step serves the 30 layers; pos changes at the
+# second step and becomes symbolic (one recompile): from then on one graph serves every step.
+_compiled_decode_layer = torch.compile(decode_layer)
+
+
+def can_compile_step(model: Llama, device) -> bool:
+    """Item 6 applies on CPU to a model whose is_fused() found bias-free plain projections."""
+    return torch.device(device).type == "cpu" and getattr(model, "_decode_weights", None) is not None
+
+
+def _decode_compiled(model: Llama, token: torch.Tensor, cache: KVCache, rope: RopeTable, pos: int) -> torch.Tensor:
+    """token (1, 1) at position pos -> logits (1, V): each layer by the compiled decode_layer
+    (decode_layer itself, eagerly, where compiling fails)."""
+    cfg = model.cfg
+    h = model.embed.weight.detach()[int(token)].clone()                   # (dim,) not a view: layer 0
+                                                                          # then matches the others' guards
+    cos_sin = torch.view_as_real(rope.rotation[pos])                      # (D/2, 2)
+    k_layers, v_layers = cache.k[:, 0].unbind(0), cache.v[:, 0].unbind(0)  # L x (Hkv, max_len, D) views
+    for weights, k_cache, v_cache in zip(model._decode_weights, k_layers, v_layers):
+        h = _run_compiled(_compiled_decode_layer, decode_layer, h, *weights, k_cache, v_cache,
+                          cos_sin, pos, cfg.n_heads, cfg.norm_eps)
+    cache.lengths[0] = pos + 1
+    return lm_head(model, h.view(1, -1), "compiled" if _compiler_broken is None else "mv")   # (1, V)
+
+
 @torch.no_grad()
 def forward_fast(model: Llama, tokens: torch.Tensor, cache: KVCache, rope: RopeTable,
-                 prefill_attention: str = "sdpa", gemv: bool = True) -> torch.Tensor:
+                 prefill_attention: str = "sdpa", gemv: str = "auto",
+                 compiled_step: bool | None = None) -> torch.Tensor:
     """tokens (1, T) continuing one sequence at cache.lengths[0] -> logits of the last token (1, V).
-    Same contract as kv_cache.forward_cached for batch 1 (prefill T > 1 or decode T = 1).
+    Same contract as kv_cache.forward_cached for batch 1 (prefill T > 1 or decode T = 1). The model
+    must be fused, and checked by is_fused() once per sequence (which generate_greedy_fast and
+    LLM do).
     prefill_attention: "sdpa" (torch's fused attention) or "flash" (lesson 05's FlashAttention,
-    used for steps with T > 1; a decode step is one query row and always uses sdpa).
-    gemv=False runs one-token projections through F.linear (to measure what item 5 buys)."""
+    used for steps with T > 1; a decode step is one query row and never uses it).
+    gemv: how one-token projections run (item 5: "auto", "compiled", "mv", "linear").
+    compiled_step: a decode step (T = 1) by the compiled decode_layer (item 6); None = where it
+    applies (can_compile_step) and torch.compile works. A prefill always runs the loop below."""
     if prefill_attention not in ("sdpa", "flash"):
         raise ValueError(f"prefill_attention = {prefill_attention!r}; allowed: 'sdpa', 'flash'")
     use_flash = prefill_attention == "flash" and tokens.shape[1] > 1
     if use_flash:
         from .flash_attention import flash_attention
+    gemv = resolve_gemv(gemv, tokens.device)
     B, T = tokens.shape
     if B != 1:
         raise ValueError("forward_fast is the batch-1 path; use kv_cache.forward_cached for batches")
@@ -138,6 +288,13 @@ def forward_fast(model: Llama, tokens: torch.Tensor, cache: KVCache, rope: RopeT
     end = start + T
     if end > cache.max_len:
         raise ValueError(f"KV cache holds {cache.max_len} positions; this step needs {end}")
+    if compiled_step is None:
+        compiled_step = _compiler_broken is None and can_compile_step(model, tokens.device)
+    if compiled_step and T == 1:
+        if not can_compile_step(model, tokens.device):
+            raise ValueError("compiled_step=True needs a CPU model with bias-free fused projections "
+                             "(checked by is_fused)")
+        return _decode_compiled(model, tokens, cache, rope, start)
     rotation = rope.rotation[start:end][None, :, None]                    # (1, T, 1, D/2) complex
     h = model.embed(tokens)                                               # (1, T, dim)
     for i, layer in enumerate(model.layers):
@@ -167,7 +324,8 @@ def _prefix_mask(start: int, T: int, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate_greedy_fast(model: Llama, prompt: list[int], max_new_tokens: int, gemv: bool = True) -> list[int]:
+def generate_greedy_fast(model: Llama, prompt: list[int], max_new_tokens: int, gemv: str = "auto",
+                         compiled_step: bool | None = None) -> list[int]:
     """Greedy batch-1 decoding on the fast path (fuses the model's projections if needed)."""
     if not is_fused(model):
         fuse_projections(model)
@@ -175,10 +333,12 @@ def generate_greedy_fast(model: Llama, prompt: list[int], max_new_tokens: int, g
     total = len(prompt) + max_new_tokens
     cache = KVCache(model.cfg, 1, total, model.embed.weight.dtype, device)
     rope = RopeTable(model.cfg.head_dim, model.cfg.rope_theta, total, device)
-    logits = forward_fast(model, torch.tensor([prompt], device=device), cache, rope, gemv=gemv)  # (1, V)
+    logits = forward_fast(model, torch.tensor([prompt], device=device), cache, rope, gemv=gemv,
+                          compiled_step=compiled_step)                    # (1, V)
     out = []
     for step in range(max_new_tokens):
         out.append(int(logits.argmax()))
         if step + 1 < max_new_tokens:
-            logits = forward_fast(model, torch.tensor([[out[-1]]], device=device), cache, rope, gemv=gemv)
+            logits = forward_fast(model, torch.tensor([[out[-1]]], device=device), cache, rope, gemv=gemv,
+                                  compiled_step=compiled_step)
     return out

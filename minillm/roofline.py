@@ -50,13 +50,21 @@ def arithmetic_intensity(cfg: ModelConfig, bytes_per_param: float, tokens_per_we
 
 
 def measure_bandwidth(mbytes: int = 512, dtype=torch.float32, repeats: int = 5, device="cpu") -> float:
-    """Bytes/s that a large matrix-vector product streams: exactly the access pattern of decode."""
+    """Bytes/s at which a large weight can be streamed once: the bound's denominator. The faster of
+    (a) torch.mv, decode's own access pattern through the library's GEMV, and (b) a plain read of
+    the same bytes (a sum over them, viewed as fp32). No GEMV beats the read by much, but a library
+    GEMV can fall far short of it: on an AMD EPYC VM, MKL's fp32 GEMV streams 11 GB/s where the
+    read reaches 30 (lesson 02), and a bound taken from (a) alone would be beaten by 2x."""
     elem = torch.tensor([], dtype=dtype).element_size()
     cols = 4096
     rows = mbytes * 2**20 // (elem * cols)
-    w = torch.randn(rows, cols, dtype=dtype, device=device)
+    w = torch.randn(rows, cols, device=device).to(dtype)
     x = torch.randn(cols, dtype=dtype, device=device)
-    return rows * cols * elem / time_median(lambda: torch.mv(w, x), repeats, device=device)
+    nbytes = rows * cols * elem
+    gemv = nbytes / time_median(lambda: torch.mv(w, x), repeats, device=device)
+    as_fp32 = w.view(torch.float32)                                       # same bytes, fp32 adder
+    read = nbytes / time_median(lambda: as_fp32.sum(), repeats, device=device)
+    return max(gemv, read)
 
 
 def measure_flops(n: int = 2048, dtype=torch.float32, repeats: int = 5, device="cpu") -> float:

@@ -55,3 +55,83 @@ def test_real_model_llm_generate_equals_cached_baseline(llm):
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True),
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == generate_greedy(llm.model, [prompt], 128)[0]
+
+
+# ---- item 5 (GEMV modes) and item 6 (the compiled decode step) ----------------------------------
+
+@pytest.mark.parametrize("gemv", ["linear", "mv", "compiled"])
+def test_every_gemv_mode_gives_the_baseline_tokens(gemv):
+    model = random_model(tiny_config(), seed=4)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ref = generate_greedy_naive(model, prompt, 32)
+    assert generate_greedy_fast(model, prompt, 32, gemv=gemv, compiled_step=False) == ref
+
+
+def _two_caches(model, prompt):
+    """Two identical caches holding the prompt, and the prompt's last logits."""
+    caches = [KVCache(model.cfg, 1, len(prompt) + 8, model.embed.weight.dtype) for _ in range(2)]
+    rope = RopeTable(model.cfg.head_dim, model.cfg.rope_theta, len(prompt) + 8, "cpu")
+    for cache in caches:
+        logits = forward_fast(model, torch.tensor([prompt]), cache, rope)
+    return caches, rope, logits
+
+
+@pytest.mark.parametrize("n_kv_heads", [6, 2, 1])                 # MHA, GQA 3:1, MQA
+def test_compiled_step_writes_the_same_cache_and_logits(n_kv_heads):
+    """Internals, not only tokens: one compiled decode step stores the same K/V at the same position
+    and gives the same logits as the eager loop (fp32, 1e-5), for every group size."""
+    model = fuse_projections(random_model(tiny_config(n_kv_heads=n_kv_heads), seed=5))
+    prompt = [7, 3, 9, 1, 4]
+    (eager, compiled), rope, logits = _two_caches(model, prompt)
+    token = torch.tensor([[int(logits.argmax())]])
+    want = forward_fast(model, token, eager, rope, compiled_step=False)          # (1, V)
+    got = forward_fast(model, token, compiled, rope, compiled_step=True)         # (1, V)
+    assert int(compiled.lengths[0]) == int(eager.lengths[0]) == len(prompt) + 1
+    torch.testing.assert_close(compiled.k, eager.k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled.v, eager.v, rtol=1e-5, atol=1e-5)
+    assert compiled.k[:, :, :, len(prompt) + 1:].abs().sum() == 0                # nothing written past pos
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    ref = generate_greedy_naive(model, prompt, 48)
+    assert generate_greedy_fast(model, prompt, 48, compiled_step=True) == ref
+
+
+def test_compiled_step_in_bfloat16_stays_close_to_the_eager_step():
+    """bf16: the compiled step keeps intermediate values in fp32 where the eager ops round to bf16,
+    so the logits differ by rounding only (stated tolerance: 1% of the logits' range)."""
+    model = fuse_projections(random_model(tiny_config(), seed=6, dtype=torch.bfloat16))
+    (eager, compiled), rope, logits = _two_caches(model, [5, 6, 7, 8])
+    token = torch.tensor([[int(logits.argmax())]])
+    want = forward_fast(model, token, eager, rope, compiled_step=False).float()
+    got = forward_fast(model, token, compiled, rope, compiled_step=True).float()
+    assert (got - want).abs().max() <= 0.01 * (want.max() - want.min())
+
+
+def test_without_a_compiler_the_fast_path_warns_and_still_gives_the_tokens(monkeypatch):
+    from minillm import fast_decode
+
+    def no_compiler(*args):
+        raise RuntimeError("InductorError: no C++ compiler found")
+    monkeypatch.setattr(fast_decode, "_compiler_broken", None)    # restored after the test
+    monkeypatch.setattr(fast_decode, "_compiled_decode_layer", no_compiler)
+    monkeypatch.setattr(fast_decode, "_compiled_dot", no_compiler)
+    model = random_model(tiny_config(), seed=7)
+    prompt = [2, 7, 1, 8, 2, 8]
+    ref = generate_greedy_naive(model, prompt, 16)
+    with pytest.warns(UserWarning, match="could not build"):
+        assert generate_greedy_fast(model, prompt, 16, compiled_step=True) == ref
+    assert "no C++ compiler" in fast_decode._compiler_broken
+    assert generate_greedy_fast(model, prompt, 16) == ref            # "auto" now picks the eager path
+
+
+def test_bad_gemv_or_compiled_step_requests_are_refused():
+    model = fuse_projections(random_model(tiny_config(), seed=8))
+    cache = KVCache(model.cfg, 1, 8)
+    rope = RopeTable(model.cfg.head_dim, model.cfg.rope_theta, 8, "cpu")
+    with pytest.raises(ValueError, match="allowed: 'auto', 'compiled', 'mv', 'linear'"):
+        forward_fast(model, torch.tensor([[1, 2]]), cache, rope, gemv="fast")
+    model.layers[0].attn.wo.bias = nn.Parameter(torch.zeros(model.cfg.dim))
+    assert is_fused(model)                                         # the per-sequence check sees the bias
+    forward_fast(model, torch.tensor([[1, 2]]), cache, rope)
+    with pytest.raises(ValueError, match="bias-free"):
+        forward_fast(model, torch.tensor([[3]]), cache, rope, compiled_step=True)
+    assert forward_fast(model, torch.tensor([[3]]), cache, rope).shape == (1, model.cfg.vocab_size)

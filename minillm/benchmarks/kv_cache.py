@@ -8,8 +8,8 @@ Four measurements, all on SmolLM2-135M in one run (medians after warm-up):
    bytes/s, next to the machine's measured GEMM FLOP/s and GEMV bandwidth;
 4. batch-1 greedy decode through LLM.generate (the engine) vs transformers' generate (KV cache
    on), same prompt, same dtype, and vs the bandwidth bound; plus each step of the fast path
-   on its own (unfused cache -> fused projections + RoPE table + SDPA -> + GEMV), to show what
-   each step bought.
+   on its own (unfused cache -> fused projections + RoPE table + SDPA -> + torch.mv GEMV ->
+   + compiled GEMV -> + compiled decode step), to show what each step bought.
 """
 from __future__ import annotations
 
@@ -114,10 +114,14 @@ def batch1_vs_hf(dtype_name: str, new_tokens: int) -> dict:
     def theirs():
         with torch.no_grad():
             hf.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    def fast(gemv, compiled_step=False):
+        return lambda: generate_greedy_fast(llm.model, ids, new_tokens, gemv=gemv, compiled_step=compiled_step)
     systems = {   # what each step adds, in order (lesson 02, "what each step bought")
         "cached_unfused": lambda: generate_greedy(llm.model, [ids], new_tokens),
-        "fused_rope_sdpa": lambda: generate_greedy_fast(llm.model, ids, new_tokens, gemv=False),
-        "plus_gemv": lambda: generate_greedy_fast(llm.model, ids, new_tokens, gemv=True),
+        "fused_rope_sdpa": fast("linear"),
+        "plus_gemv": fast("mv"),
+        "plus_compiled_gemv": fast("compiled"),
+        "plus_compiled_step": fast("compiled", compiled_step=True),
         "llm_generate": lambda: llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False),
         "hf": theirs,
     }
