@@ -138,7 +138,7 @@ def batch1_vs_hf(dtype_name: str, new_tokens: int) -> dict:
     bandwidth = roofline.measure_bandwidth(512, dtype=getattr(torch, dtype_name))
     bound = bandwidth / roofline.weight_bytes(llm.config, elem)
     row = {"dtype": dtype_name, "new_tokens": new_tokens, "prompt_tokens": len(ids),
-           **{f"{name}_tok_s": v for name, v in tok_s.items()}, "gemv_GBps": bandwidth / 1e9, "bound_tok_s": bound}
+           **{f"{name}_tok_s": v for name, v in tok_s.items()}, "bandwidth_GBps": bandwidth / 1e9, "bound_tok_s": bound}
     row["ours_vs_hf"] = tok_s["llm_generate"] / tok_s["hf"]
     row["fraction_of_bound"] = tok_s["llm_generate"] / bound
     return row
@@ -173,13 +173,13 @@ def run(quick: bool) -> dict:
     del cache
     # 3. prefill vs decode
     machine = {"gemm_GFLOPs": roofline.measure_flops(1024 if quick else 2048) / 1e9,
-               "gemv_GBps": roofline.measure_bandwidth(256 if quick else 512) / 1e9}
+               "bandwidth_GBps": roofline.measure_bandwidth(256 if quick else 512) / 1e9}
     shapes = [(1, 128), (16, 128)] if quick else [(1, 128), (1, 512), (1, 2048), (16, 128), (16, 512)]
     for batch, length in shapes:
         results.append({"part": "prefill_vs_decode", **prefill_decode(model, batch, length, 4 if quick else 16)})
     del model
     # 4. batch-1 decode vs transformers
-    summary = {"machine_gemm_GFLOPs": machine["gemm_GFLOPs"], "machine_gemv_GBps": machine["gemv_GBps"],
+    summary = {"machine_gemm_GFLOPs": machine["gemm_GFLOPs"], "machine_bandwidth_GBps": machine["bandwidth_GBps"],
                "batch1_vs_hf": {}, "bandwidth_bound_fraction": {}}
     for dtype_name in ("float32", "bfloat16"):
         row = batch1_vs_hf(dtype_name, 16 if quick else 128)

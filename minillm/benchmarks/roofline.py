@@ -1,6 +1,6 @@
 """Lesson 01: where the time goes in batch-1 decode on this machine.
 
-Measures the machine (GEMV bandwidth, GEMM FLOP/s), the model's bytes and FLOPs per token,
+Measures the machine (read bandwidth: the faster of a GEMV and a plain read; GEMM FLOP/s), the model's bytes and FLOPs per token,
 and three decode speeds side by side: the naive baseline (no cache), the KV-cached runner,
 and a loop that does nothing but the model's weight GEMVs (the physics floor actually reached).
 """
@@ -20,8 +20,9 @@ NAME = "roofline"
 
 
 def weights_only_step(model) -> None:
-    """One token's worth of weight traffic and nothing else: every linear as a GEMV (torch.mv,
-    the fastest one-row kernel here, see fast_decode.linear) + the LM head."""
+    """One token's worth of weight traffic and nothing else: every linear as the library's GEMV
+    (torch.mv, see fast_decode.linear) + the LM head: what the BLAS kernels deliver for decode's
+    shapes (lesson 02's compiled GEMV can beat it where the BLAS GEMV is slow)."""
     x = torch.randn(1, model.cfg.dim, dtype=model.embed.weight.dtype)
     for layer in model.layers:
         for lin in (layer.attn.wq, layer.attn.wk, layer.attn.wv, layer.attn.wo):
@@ -52,7 +53,7 @@ def run(quick: bool) -> dict:
         t_floor = time_median(lambda: weights_only_step(model), repeats=20)
         row = {
             "dtype": dtype_name, "params_M": model.cfg.num_parameters() / 1e6, "weight_MB": wbytes / 1e6,
-            "gemv_GBps": bandwidth / 1e9, "gemm_GFLOPs": flops / 1e9,
+            "bandwidth_GBps": bandwidth / 1e9, "gemm_GFLOPs": flops / 1e9,
             "ridge_flop_per_byte": flops / bandwidth,
             "decode_intensity": roofline.arithmetic_intensity(model.cfg, elem, 1, prompt_len),
             "prefill512_intensity": roofline.arithmetic_intensity(model.cfg, elem, 512, 0),
