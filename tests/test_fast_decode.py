@@ -113,6 +113,7 @@ def test_without_a_compiler_the_fast_path_warns_and_still_gives_the_tokens(monke
         raise RuntimeError("InductorError: no C++ compiler found")
     monkeypatch.setattr(fast_decode, "_compiler_broken", None)    # restored after the test
     monkeypatch.setattr(fast_decode, "_compiled_decode_layer", no_compiler)
+    monkeypatch.setattr(fast_decode, "_compiled_decode_layer_16bit", no_compiler)
     monkeypatch.setattr(fast_decode, "_compiled_dot", no_compiler)
     model = random_model(tiny_config(), seed=7)
     prompt = [2, 7, 1, 8, 2, 8]
