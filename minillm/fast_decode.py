@@ -24,8 +24,8 @@ is overhead: one kernel launch + Python dispatch per small op, per layer. What t
                    compiler is found), "mv" on a GPU (cuBLAS's GEMV already streams at speed);
   6. the whole decode step of a layer compiled (`compiled_step=`, CPU): one token through one
      layer written as plain tensor math (row-wise dots, RoPE by cos/sin, attention as an explicit
-     softmax over the cache prefix) that torch.compile fuses into a handful of generated loops.
-     Every layer has the same shapes and the position is a symbolic int, so ONE compiled
+     softmax over the cache prefix) that torch.compile turns into ONE generated kernel per layer.
+     Every layer has the same shapes and the position becomes a symbolic int, so one compiled
      function serves all 30 layers and every step. What it removes: the ~15 small eager ops per
      layer (each a Python dispatch + a kernel launch), about half of a step once item 5 is on.
 
@@ -144,8 +144,8 @@ def _run_compiled(compiled, eager, *args):
 
 
 def resolve_gemv(gemv: str, device) -> str:
-    """The GEMV mode that will actually run: "auto" picks per device; "compiled" needs a CPU
-    tensor and a working torch.compile (else a clear error)."""
+    """The GEMV mode that will actually run: "auto" picks per device (and "mv" once compiling has
+    failed here); "compiled" needs a CPU tensor (else a clear error)."""
     if gemv not in GEMV_MODES:
         raise ValueError(f"gemv = {gemv!r}; allowed: {', '.join(map(repr, GEMV_MODES))}")
     on_cpu = torch.device(device).type == "cpu"
