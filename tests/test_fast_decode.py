@@ -3,10 +3,19 @@ import pytest
 import torch
 import torch.nn as nn
 
-from minillm import SamplingParams
+from minillm import SamplingParams, fast_decode
 from minillm.fast_decode import RopeTable, forward_fast, fuse_projections, generate_greedy_fast, is_fused
 from minillm.kv_cache import KVCache, generate_greedy, generate_greedy_naive
 from minillm.model import random_model, tiny_config
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_caches():
+    """Each test compiles afresh: Dynamo allows 8 recompiles per function per process, and past
+    that it runs the function eagerly, which would let a compiled-vs-eager test compare eager
+    with eager. (Inductor's disk cache keeps the recompiles cheap.)"""
+    torch._dynamo.reset()
+    yield
 
 
 def _fast_greedy(model, prompt, n, chunks=(None,)):
@@ -85,7 +94,10 @@ def test_compiled_step_writes_the_same_cache_and_logits(n_kv_heads):
     (eager, compiled), rope, logits = _two_caches(model, prompt)
     token = torch.tensor([[int(logits.argmax())]])
     want = forward_fast(model, token, eager, rope, compiled_step=False)          # (1, V)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     got = forward_fast(model, token, compiled, rope, compiled_step=True)         # (1, V)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs       # it really compiled,
+    assert fast_decode._compiler_broken is None                                  # and ran compiled
     assert int(compiled.lengths[0]) == int(eager.lengths[0]) == len(prompt) + 1
     torch.testing.assert_close(compiled.k, eager.k, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(compiled.v, eager.v, rtol=1e-5, atol=1e-5)
@@ -102,13 +114,13 @@ def test_compiled_step_in_bfloat16_stays_close_to_the_eager_step():
     (eager, compiled), rope, logits = _two_caches(model, [5, 6, 7, 8])
     token = torch.tensor([[int(logits.argmax())]])
     want = forward_fast(model, token, eager, rope, compiled_step=False).float()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     got = forward_fast(model, token, compiled, rope, compiled_step=True).float()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
     assert (got - want).abs().max() <= 0.01 * (want.max() - want.min())
 
 
 def test_without_a_compiler_the_fast_path_warns_and_still_gives_the_tokens(monkeypatch):
-    from minillm import fast_decode
-
     def no_compiler(*args):
         raise RuntimeError("InductorError: no C++ compiler found")
     monkeypatch.setattr(fast_decode, "_compiler_broken", None)    # restored after the test
