@@ -243,7 +243,10 @@ _compiled_decode_layer = torch.compile(decode_layer)
 # only 2 bytes of memory traffic per element, so that per-row work makes the loop instruction-bound;
 # materialising any pointwise result of more than 2 ops once (in fp32) makes the GEMV loop a bare
 # load-convert-multiply-add: +13% tokens/s in bf16, -4% in fp32 (lesson 02, five alternating pairs).
-_compiled_decode_layer_16bit = torch.compile(decode_layer, options={"realize_opcount_threshold": 2})
+try:
+    _compiled_decode_layer_16bit = torch.compile(decode_layer, options={"realize_opcount_threshold": 2})
+except RuntimeError:                      # options are checked here, at import: an Inductor without it
+    _compiled_decode_layer_16bit = _compiled_decode_layer
 
 
 def can_compile_step(model: Llama, device) -> bool:
