@@ -89,8 +89,8 @@ def _decode_weights(model: Llama) -> list[tuple[torch.Tensor, ...]] | None:
         linears = (attn.wqkv, attn.wo, ffn.w_gate_up, ffn.w_down)
         if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
             return None
-        weights.append((layer.attn_norm.weight.detach(), *(m.weight.detach() for m in linears[:2]),
-                        layer.ffn_norm.weight.detach(), *(m.weight.detach() for m in linears[2:])))
+        weights.append((layer.attn_norm.weight.detach(), attn.wqkv.weight.detach(), attn.wo.weight.detach(),
+                        layer.ffn_norm.weight.detach(), ffn.w_gate_up.weight.detach(), ffn.w_down.weight.detach()))
     return weights
 
 
@@ -162,12 +162,16 @@ def gemv_compiled(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return _run_compiled(_compiled_dot, torch.mv, weight.detach(), x.detach().clone())
 
 
+def _gemv(weight: torch.Tensor, x: torch.Tensor, gemv: str) -> torch.Tensor:
+    """weight (out, in) @ x (in,) -> (out,) by the chosen kernel: "compiled" or "mv"."""
+    return gemv_compiled(weight, x) if gemv == "compiled" else torch.mv(weight, x)
+
+
 def linear(module: nn.Module, x: torch.Tensor, gemv: str = "mv") -> torch.Tensor:
     """module(x); but a single row x (one decode token) through a plain nn.Linear runs as a
     matrix-vector product (gemv: "mv" or "compiled", see item 5; "linear" = module(x))."""
     if gemv != "linear" and type(module) is nn.Linear and x.numel() == module.in_features:
-        w, v = module.weight, x.reshape(-1)                               # (out, in), (in,)
-        y = gemv_compiled(w, v) if gemv == "compiled" else torch.mv(w, v)  # (out,)
+        y = _gemv(module.weight, x.reshape(-1), gemv)                     # (out,)
         if module.bias is not None:
             y = y + module.bias
         return y.view(*x.shape[:-1], -1)
@@ -177,8 +181,7 @@ def linear(module: nn.Module, x: torch.Tensor, gemv: str = "mv") -> torch.Tensor
 def lm_head(model: Llama, h: torch.Tensor, gemv: str = "mv") -> torch.Tensor:
     """model.logits(h), with the one-row case as a GEMV (the LM head is the largest matrix)."""
     if gemv != "linear" and model.lm_head is None and h.numel() == h.shape[-1]:
-        w, v = model.embed.weight, model.norm(h).reshape(-1)             # (V, dim), (dim,)
-        logits = gemv_compiled(w, v) if gemv == "compiled" else torch.mv(w, v)
+        logits = _gemv(model.embed.weight, model.norm(h).reshape(-1), gemv)  # (V,)
         return logits.view(*h.shape[:-1], -1)
     return model.logits(h)
 
@@ -266,7 +269,7 @@ def _decode_compiled(model: Llama, token: torch.Tensor, cache: KVCache, rope: Ro
     for weights, k_cache, v_cache in zip(model._decode_weights, k_layers, v_layers):
         h = _run_compiled(compiled, decode_layer, h, *weights, k_cache, v_cache, cos_sin, pos, cfg.n_heads, cfg.norm_eps)
     cache.lengths[0] = pos + 1
-    return lm_head(model, h.view(1, -1), "compiled" if _compiler_broken is None else "mv")   # (1, V)
+    return lm_head(model, h.view(1, -1), "compiled")                     # (1, V); torch.mv if compiling failed
 
 
 @torch.no_grad()
@@ -297,10 +300,11 @@ def forward_fast(model: Llama, tokens: torch.Tensor, cache: KVCache, rope: RopeT
     end = start + T
     if end > cache.max_len:
         raise ValueError(f"KV cache holds {cache.max_len} positions; this step needs {end}")
+    step_applies = can_compile_step(model, tokens.device)
     if compiled_step is None:
-        compiled_step = _compiler_broken is None and can_compile_step(model, tokens.device)
+        compiled_step = step_applies and _compiler_broken is None
     if compiled_step and T == 1:
-        if not can_compile_step(model, tokens.device):
+        if not step_applies:
             raise ValueError("compiled_step=True needs a CPU model with bias-free fused projections "
                              "(checked by is_fused)")
         return _decode_compiled(model, tokens, cache, rope, start)

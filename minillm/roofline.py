@@ -58,7 +58,7 @@ def measure_bandwidth(mbytes: int = 512, dtype=torch.float32, repeats: int = 5, 
     elem = torch.tensor([], dtype=dtype).element_size()
     cols = 4096
     rows = mbytes * 2**20 // (elem * cols)
-    w = torch.randn(rows, cols, device=device).to(dtype)
+    w = torch.randn(rows, cols, dtype=dtype, device=device)
     x = torch.randn(cols, dtype=dtype, device=device)
     nbytes = rows * cols * elem
     gemv = nbytes / time_median(lambda: torch.mv(w, x), repeats, device=device)
