@@ -148,3 +148,12 @@ def test_bad_gemv_or_compiled_step_requests_are_refused():
     with pytest.raises(ValueError, match="bias-free"):
         forward_fast(model, torch.tensor([[3]]), cache, rope, compiled_step=True)
     assert forward_fast(model, torch.tensor([[3]]), cache, rope).shape == (1, model.cfg.vocab_size)
+
+
+def test_the_compiled_gemv_is_refused_on_a_gpu_and_auto_picks_torch_mv_there():
+    from minillm.fast_decode import can_compile_step, resolve_gemv
+    with pytest.raises(ValueError, match="gemv='compiled' is the CPU GEMV; on a GPU use 'mv' or 'auto'"):
+        resolve_gemv("compiled", "cuda")
+    assert resolve_gemv("auto", "cuda") == "mv"
+    assert resolve_gemv("auto", "cpu") == "compiled"
+    assert not can_compile_step(fuse_projections(random_model(tiny_config(), seed=9)), "cuda")
