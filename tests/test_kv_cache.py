@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from minillm.kv_cache import KVCache, forward_cached, generate_greedy, generate_greedy_naive, kv_cache_bytes
+from minillm.kv_cache import (KVCache, forward_cached, generate_greedy, generate_greedy_naive, kv_cache_bytes,
+                              mla_kv_cache_bytes)
 from minillm.model import ModelConfig, random_model, tiny_config
 
 
@@ -61,3 +62,14 @@ def test_overflowing_the_cache_is_a_clear_error(tiny_model):
     cache = KVCache(tiny_model.cfg, 1, 4)
     with pytest.raises(ValueError, match="KV cache holds 4 positions"):
         forward_cached(tiny_model, torch.zeros(1, 5, dtype=torch.long), cache)
+
+
+def test_mla_cache_is_the_latent_plus_one_rope_key_per_layer():
+    # DeepSeek-V2 (paper, Table 1): d_c = 4 d_h = 512, d_h^R = d_h / 2 = 64, 60 layers, 128 heads of 128.
+    mla = mla_kv_cache_bytes(60, 512, 64, seq_len=1, batch=1, dtype_bytes=1)
+    assert mla == 60 * 4.5 * 128                      # the paper's "(d_c + d_h^R) l = 9/2 d_h l" elements
+    mha = kv_cache_bytes(60, 128, 128, 1, 1, 1)
+    assert mha / mla == pytest.approx(2 * 128 / 4.5)   # 56.9x fewer elements than MHA
+    gqa_equivalent_groups = mla / kv_cache_bytes(60, 1, 128, 1, 1, 1)
+    assert gqa_equivalent_groups == 2.25              # the paper: "equal to GQA with only 2.25 groups"
+    assert mla_kv_cache_bytes(61, 512, 64, 4096, 2, 2) == 61 * 576 * 4096 * 2 * 2

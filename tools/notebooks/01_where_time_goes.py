@@ -21,13 +21,15 @@ from minillm.benchmarks.roofline import weights_only_step
 
 QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
 device = "cuda" if torch.cuda.is_available() else "cpu"
-print(machine_info(), "| quick mode" if QUICK else "")
+print(machine_info(), "| mode:", "quick (MINILLM_QUICK=1)" if QUICK else "full")
 """),
 ("md", r"""
 ## 1. How many bytes does one token cost?
 
 At batch 1, decode multiplies every weight matrix by one vector: each weight is read once and used
-for one multiply-add (2 FLOPs). In fp32 that is 2 FLOPs per 4 bytes, **0.5 FLOP/byte**.
+for one multiply-add (2 FLOPs). In fp32 that is 2 FLOPs per 4 bytes, **0.5 FLOP/byte**[^fp32-ai].
+
+[^fp32-ai]: counted by minillm.roofline: 2 / 4
 """),
 ("code", r"""
 model, tok = load_model("smollm2", dtype="float32", device=device)
@@ -56,8 +58,10 @@ for name, g in roofline.GPUS.items():
 ("md", r"""
 ## 3. The roofline: decode sits far left of the ridge, prefill far right
 
-Attainable FLOP/s = min(peak, bandwidth × intensity). Decode at batch 1 does ~0.5 FLOP per fp32 byte;
+Attainable FLOP/s = min(peak, bandwidth × intensity). Decode at batch 1 does ~0.5 FLOP per fp32 byte[^fp32-ai-again];
 a 512-token prefill reuses each weight 512 times.
+
+[^fp32-ai-again]: counted by minillm.roofline: 2 / 4
 """),
 ("code", r"""
 import numpy as np
@@ -118,7 +122,9 @@ print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
 ("md", r"""
 ## 6. Why a faster GPU is not a faster decoder
 
-Decode tokens/s at batch 1 is bounded by bandwidth / bytes. For a 7B model in fp16 (14 GB):
+Decode tokens/s at batch 1 is bounded by bandwidth / bytes. For a 7B model in fp16 (14 GB[^7b]):
+
+[^7b]: counted by minillm.roofline: 7e9 * 2 / 1e9
 """),
 ("code", r"""
 base = roofline.GPUS["A100 80GB"]

@@ -26,7 +26,7 @@ from minillm.benchmarks.common import machine_info
 QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
 device = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
-print(machine_info(), "| quick mode" if QUICK else "")
+print(machine_info(), "| mode:", "quick (MINILLM_QUICK=1)" if QUICK else "full")
 """),
 ("md", r"""
 ## 1. INT4 vs NF4: where the 16 levels go
@@ -131,8 +131,9 @@ with torch.no_grad():
 ("md", r"""
 ## 5. int8 KV cache
 
-One scale per (token, head): 66 bytes instead of 128 per head and token (head_dim 64). The attention
-output moves by well under 1% ... unless a key channel is an outlier, which sets every token's scale.
+One scale per (token, head): 66 bytes instead of 128 per head and token (head_dim 64). The cell prints how far
+the attention output moves (its relative error); a key channel that is an outlier sets every token's scale and
+makes that error larger.
 """),
 ("code", r"""
 with torch.no_grad():

@@ -23,7 +23,7 @@ from minillm.benchmarks import serve as serve_bench
 from minillm.benchmarks.common import machine_info
 
 QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
-print(machine_info(), "| quick mode" if QUICK else "")
+print(machine_info(), "| mode:", "quick (MINILLM_QUICK=1)" if QUICK else "full")
 llm = LLM(model="smollm2", dtype="float32", device="auto", max_num_seqs=32)
 server = ServerThread(build_app(llm, served_model_name="smollm2")).start()    # a free port on 127.0.0.1
 print("serving at", server.base_url)

@@ -14,7 +14,8 @@ python -m minillm lab list                 # the labs, their time estimates and 
 python -m minillm lab grade kv_cache       # grade the current folder on one lab
 ```
 
-On the reference repository every lab scores 100%; on a fresh student copy its own lab scores 0%.
+On the reference repository every lab passes all of its tasks; on a fresh student copy its own lab passes none
+(`tests/test_labs.py` checks both).
 With `MINILLM_QUICK=1` each cell checks only one task of its lab (a fast smoke run); unset it for
 the full grade. Cells grade in this kernel's process: after editing a file, restart the kernel.
 """),
@@ -28,7 +29,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")     # the Triton lab runs under the interpreter on CPU
 from minillm import labs
 QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
-print("grading", labs.REPO, "| quick" if QUICK else "| every task")
+print("grading", labs.REPO, "| mode:", "quick (MINILLM_QUICK=1): one task per lab" if QUICK else "full: every task")
 print(labs.format_lab_list())
 """),
 ("md", r"""

@@ -1,0 +1,430 @@
+"""The number guard: every figure in the prose names its source, and the source still says it.
+
+A *figure* is a number a reader could repeat as a fact: one with a decimal point, a percentage,
+a ratio (3.6x), a number with a unit of speed, size or time (57 tok/s, 538 MB, 14 ms), or a count of
+100 or more that is not a power of two or a year. Small integers (30 layers, batch 16, lesson 02),
+versions (torch 2.13), names (fp32, H200, Llama-2-70B) and code spans are not figures.
+
+Each figure is followed, in the same paragraph, table row or list item, by a GitHub footnote
+reference `[^key]`. The reference covers every figure since the previous reference in that block,
+in order, and its definition (one line, anywhere in the same file or notebook cell) says which kind:
+
+    [^key]: measured in results/roofline.json: summary.bandwidth_bound_tok_s_float32; results(dtype="bfloat16").bound_tok_s
+    [^key]: counted by minillm.roofline: kv_cache_bytes_per_token(LLAMA2_70B) / 1024
+    [^key]: published: FlashAttention README (github.com/Dao-AILab/flash-attention), "Memory" figure, A100 80GB
+
+Measured and counted footnotes list one Python expression per figure, separated by `;`.
+A measured expression reads the JSON file: a dict key is an attribute (`summary.ppl`), `[i]` or
+`["key"]` indexes, and a list called with keyword filters returns its one matching row
+(`results(dtype="bfloat16")`). A counted expression is evaluated in the named module. A figure
+equals its value at the printed precision (3.62 covers [3.615, 3.625]); one written "~" or "≈"
+is approximate (within 5%). A published footnote carries a citation, which the guard cannot check
+beyond its presence: its figures are copied from the source by hand.
+
+Run `python tests/prose_numbers.py [FILE...]` to list every problem (default: README, lessons,
+notebooks); tests/test_lessons.py runs the same check.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+UNITS = ("tok/s/request", "tok/s", "tokens/s", "token/s", "req/s", "GB/s", "TB/s", "MB/s", "GFLOP/s",
+         "TFLOP/s", "PFLOP/s", "FLOP/s", "FLOP/byte", "FLOPs", "ms", "µs", "us", "ns", "s", "min",
+         "GiB", "MiB", "KiB", "GB", "MB", "KB", "TB", "kB", "%", "x", "×", "points", "GHz")
+CONNECTOR = re.compile(r"^\s*(?:/|vs\.?|-|–|to|and|or|,)\s*$")
+APPROX = re.compile(r"(?:~|≈|about |roughly |around )\s*$")
+NUMBER = re.compile(r"[-+−]?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+FOOTNOTE_REF = re.compile(r"\[\^([\w.-]+)\]")   # definitions are taken out of the blocks first
+FOOTNOTE_DEF = re.compile(r"^\s*\[\^([\w.-]+)\]:\s*(.*)$")
+CITATION = re.compile(r"https?://|arXiv|\b(?:paper|README|datasheet|Table|Section|Figure|Fig\.|§|blog|docs|"
+                      r"documentation|spec|whitepaper|release notes)\b", re.I)
+# Integers that are names, not results: SmolLM2-135M's shapes, round sizes, HTTP status codes, ports.
+PLAIN_CONSTANTS = {576, 1536, 49152, 3072, 1000, 10000, 100000, 200, 400, 404, 422, 429, 500, 503, 8000, 8080}
+# Definitions and the machine's description, not results: a multiply-add is 2 FLOPs; the VMs have 24 GiB.
+PLAIN_PHRASES = {"2 FLOPs", "24 GiB"}
+
+
+@dataclass
+class Figure:
+    text: str         # as printed, with its unit
+    value: float
+    decimals: int
+    approx: bool
+    line: int
+    start: int        # offset in the block
+
+
+@dataclass
+class Footnote:
+    key: str
+    kind: str         # measured | counted | published | ?
+    source: str       # file or module
+    exprs: list[str]
+    line: int
+    raw: str
+
+
+@dataclass
+class Problem:
+    path: str
+    line: int
+    message: str
+
+    def __str__(self):
+        return f"{self.path}:{self.line}: {self.message}"
+
+
+@dataclass
+class Doc:
+    """One markdown text (a file, or one notebook cell) with its footnote definitions."""
+    path: str
+    lines: list[tuple[int, str]]           # (line number for messages, text)
+    footnotes: dict[str, Footnote] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------- reading
+
+def markdown_docs(path: Path) -> list[Doc]:
+    rel = str(path.relative_to(ROOT)) if path.is_absolute() else str(path)
+    if path.suffix == ".ipynb":
+        nb = json.loads(path.read_text())
+        docs = []
+        for i, cell in enumerate(nb["cells"]):
+            if cell["cell_type"] == "markdown":
+                src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+                docs.append(Doc(f"{rel} (markdown cell {i})", list(enumerate(src.splitlines(), 1))))
+        return docs
+    return [Doc(rel, list(enumerate(path.read_text().splitlines(), 1)))]
+
+
+def blocks(doc: Doc) -> tuple[list[list[tuple[int, str]]], list[Footnote]]:
+    """Paragraphs, list items, table rows and headings outside fenced code; footnote definitions apart."""
+    out, cur, fenced, notes = [], [], False, []
+
+    def flush():
+        if cur:
+            out.append(list(cur))
+            cur.clear()
+
+    for no, text in doc.lines:
+        if text.lstrip().startswith("```"):
+            flush()
+            fenced = not fenced
+            continue
+        if fenced:
+            continue
+        m = FOOTNOTE_DEF.match(text)
+        if m:
+            flush()
+            notes.append(parse_footnote(m.group(1), m.group(2), no))
+            continue
+        stripped = text.strip()
+        if not stripped:
+            flush()
+            continue
+        body = stripped.lstrip("> ").strip()
+        if stripped.startswith("|") or stripped.startswith("#"):
+            flush()
+            if not re.fullmatch(r"\|?[\s:|-]+\|?", stripped):
+                out.append([(no, text)])
+            continue
+        if re.match(r"([-*+]|\d+\.)\s", body) or text.startswith("    ") and not cur:
+            flush()
+        cur.append((no, text))
+    flush()
+    return out, notes
+
+
+def collect_footnotes(docs: list[Doc]) -> tuple[dict[str, Footnote], list[Problem]]:
+    found, problems = {}, []
+    for d in docs:
+        for note in blocks(d)[1]:
+            if note.key in found:
+                problems.append(Problem(d.path, note.line, f"[^{note.key}] is defined twice"))
+            found[note.key] = note
+    return found, problems
+
+
+def parse_footnote(key: str, body: str, line: int) -> Footnote:
+    m = re.match(r"measured in (results/[\w./-]+\.json):\s*(.*)$", body)
+    if m:
+        return Footnote(key, "measured", m.group(1), split_exprs(m.group(2)), line, body)
+    m = re.match(r"counted by ([\w.]+):\s*(.*)$", body)
+    if m:
+        return Footnote(key, "counted", m.group(1), split_exprs(m.group(2)), line, body)
+    m = re.match(r"published:\s*(.*)$", body)
+    if m:
+        return Footnote(key, "published", m.group(1), [], line, body)
+    return Footnote(key, "?", "", [], line, body)
+
+
+def split_exprs(text: str) -> list[str]:
+    return [e.strip().strip("`").strip() for e in text.split(";") if e.strip()]
+
+
+# ------------------------------------------------------------------------------------- figures
+
+def _blank(match) -> str:
+    return " " * len(match.group(0))
+
+
+def scrub(text: str) -> str:
+    """Hide what is not prose, keeping offsets: code spans, link targets, HTML comments and tags."""
+    text = re.sub(r"`[^`]*`", _blank, text)
+    text = re.sub(r"\]\([^)]*\)", lambda m: "]" + " " * (len(m.group(0)) - 1), text)
+    text = re.sub(r"<!--.*?-->", _blank, text)
+    text = re.sub(r"</?\w+[^>]*>", _blank, text)
+    text = re.sub(r"https?://\S+", _blank, text)
+    return text
+
+
+def unit_after(text: str, end: int) -> str:
+    gap = re.match(r"[ \t\n\u202f\u00a0]*", text[end:]).group(0)
+    if len(gap) > 1 and "\n" not in gap:
+        return ""
+    rest = text[end + len(gap):]
+    for u in UNITS:
+        if rest.startswith(u):
+            after = rest[len(u):len(u) + 1]
+            if not after or not (after.isalnum() or after == "_"):
+                if gap and u in ("x", "×"):
+                    continue                                    # "3 x 64": a product, not a ratio
+                return u
+    return ""
+
+
+def figures(text: str, line_of) -> list[Figure]:
+    found = []
+    for m in NUMBER.finditer(text):
+        s, e, tok = m.start(), m.end(), m.group(0)
+        sign = tok[0] in "-+−"
+        if sign:
+            before = text[s - 1] if s else " "
+            if before not in " (|[/\t" or (s == 0 and False):
+                # a hyphen between two numbers is a range, not a minus sign
+                s, tok = s + 1, tok[1:]
+                sign = False
+        left = text[s - 1] if s else " "
+        if left.isalnum() or left in "_.^#$\\":
+            continue
+        if left in "-–" and s >= 2 and text[s - 2].isalpha():
+            continue                                            # AVX-512, Llama-2
+        if left == "/" and s >= 2 and text[s - 2].isalpha():
+            continue                                            # a path or a name like w/2
+        if re.fullmatch(r"[-+−]?1[eE][-+]?\d+", tok):
+            continue                                            # 1e-3: a tolerance or a unit, not a result
+        unit = unit_after(text, e)
+        right = text[e:e + 1]
+        if not unit and right and (right.isalpha() or right in "_³²"):
+            continue                                            # 70B, 4K, 1st, 2048³
+        if right == "." and text[e + 1:e + 2].isdigit():
+            continue                                            # 1.2.3 version strings
+        clean = tok.replace(",", "").replace("−", "-")
+        try:
+            value = float(clean)
+        except ValueError:
+            continue
+        mantissa, _, exponent = clean.lower().partition("e")
+        decimals = (len(mantissa.split(".")[1]) if "." in mantissa else 0) - int(exponent or 0)
+        approx = bool(APPROX.search(text[max(0, s - 9):s]))
+        found.append((s, e, tok, value, decimals, unit, approx))
+
+    figs = []
+    is_fig = []
+    for s, e, tok, value, decimals, unit, approx in found:
+        as_int = abs(value) if decimals == 0 else None
+        big = (as_int is not None and as_int >= 100 and not _power_of_two(as_int)
+               and not 1900 <= as_int <= 2099 and as_int not in PLAIN_CONSTANTS)
+        versionish = re.search(r"(?:(?i:torch|pytorch|triton|python|transformers|cuda|version)|Llama|LLaMA|"
+                               r"Llama-|FA|FlashAttention-?|Section|section|§|Table|table|Figure|Fig\.|Eq\.|eq\.|"
+                               r"step|Step|issue|Issue|item|Item|lesson|Lesson|stop|PEP|sm_|compute capability|"
+                               r"llama\.cpp b|arXiv:?)\s*$", text[max(0, s - 22):s])
+        fig = (decimals > 0 or "e" in tok.lower() or bool(unit) or big) and not versionish and f"{tok} {unit}" not in PLAIN_PHRASES
+        is_fig.append(fig)
+    # a unit written once for several numbers: "16.7 / 18.5 / 37 tok/s", "235 vs 230 tok/s", "8-64 MB"
+    for i in range(len(found) - 2, -1, -1):
+        if not found[i][5] and is_fig[i + 1] and found[i + 1][5]:
+            between = text[found[i][1]:found[i + 1][0]]
+            if CONNECTOR.match(between):
+                is_fig[i] = True
+                found[i] = found[i][:5] + (found[i + 1][5],) + found[i][6:]
+    for (s, e, tok, value, decimals, unit, approx), fig in zip(found, is_fig):
+        if fig:
+            shown = tok + (unit if unit in ("%", "x", "×") else (" " + unit if unit else ""))
+            figs.append(Figure(shown, value, decimals, approx, line_of(s), s))
+    return figs
+
+
+def _power_of_two(n: float) -> bool:
+    n = int(n)
+    return n > 0 and n & (n - 1) == 0
+
+
+# ----------------------------------------------------------------------------------- evaluating
+
+class JsonView:
+    """Attribute access over parsed JSON, so that footnotes read like `summary.ppl.fp32`."""
+
+    def __init__(self, data, where: str):
+        self._d, self._where = data, where
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self[name]
+
+    def __getitem__(self, key):
+        try:
+            return wrap(self._d[key], f"{self._where}[{key!r}]")
+        except (KeyError, IndexError, TypeError):
+            raise LookupError(f"{self._where} has no {key!r}") from None
+
+    def __call__(self, **where):
+        rows = [r for r in self._d if isinstance(r, dict) and all(r.get(k) == v for k, v in where.items())]
+        if len(rows) != 1:
+            raise LookupError(f"{self._where}({where}) matches {len(rows)} rows, not 1")
+        return wrap(rows[0], f"{self._where}({where})")
+
+    def all(self, **where):
+        return [wrap(r, self._where) for r in self._d if all(r.get(k) == v for k, v in where.items())]
+
+    def __iter__(self):
+        return (wrap(x, self._where) for x in self._d)
+
+    def __len__(self):
+        return len(self._d)
+
+
+def wrap(x, where):
+    return JsonView(x, where) if isinstance(x, (dict, list)) else x
+
+
+HELPERS = {"min": min, "max": max, "abs": abs, "round": round, "len": len, "sum": sum,
+           "median": statistics.median, "math": math}
+_json_cache: dict[str, dict] = {}
+
+
+def evaluate(note: Footnote, expr: str):
+    if note.kind == "measured":
+        if note.source not in _json_cache:
+            _json_cache[note.source] = json.loads((ROOT / note.source).read_text())
+        data = _json_cache[note.source]
+        scope = dict(HELPERS, **{k: wrap(v, k) for k, v in data.items()})
+    else:
+        scope = dict(HELPERS, **vars(importlib.import_module(note.source)))
+    value = eval(expr, {"__builtins__": {}}, scope)  # noqa: S307 (our own footnotes)
+    if isinstance(value, JsonView) or not isinstance(value, (int, float)):
+        raise TypeError(f"`{expr}` is {type(value).__name__}, not a number")
+    return float(value)
+
+
+def agrees(fig: Figure, value: float) -> bool:
+    if math.isnan(value):
+        return False
+    if fig.approx:
+        return abs(value - fig.value) <= max(0.05 * abs(fig.value), 0.5 * 10 ** -fig.decimals)
+    return abs(value - fig.value) <= 0.5 * 10 ** -fig.decimals * (1 + 1e-9) + 1e-12
+
+
+# --------------------------------------------------------------------------------------- checking
+
+def check_doc(doc: Doc, used: set[str]) -> list[Problem]:
+    """Every figure of the doc covered by a footnote whose values agree; the keys used go into `used`."""
+    problems: list[Problem] = []
+    for block in blocks(doc)[0]:
+        text = "\n".join(t for _, t in block)
+        starts, off = [], 0
+        for no, t in block:
+            starts.append((off, no))
+            off += len(t) + 1
+
+        def line_of(pos, starts=starts):
+            return max(no for o, no in starts if o <= pos)
+
+        refs = [(m.start(), m.group(1)) for m in FOOTNOTE_REF.finditer(text)]
+        clean = scrub(FOOTNOTE_REF.sub(lambda m: " " * len(m.group(0)), text))
+        figs = figures(clean, line_of)
+        prev = -1
+        for pos, key in refs:
+            used.add(key)
+            covered = [f for f in figs if prev < f.start < pos]
+            prev = pos
+            note = doc.footnotes.get(key)
+            where = line_of(pos)
+            if note is None:
+                problems.append(Problem(doc.path, where, f"[^{key}] has no definition"))
+                continue
+            problems += check_footnote(doc, note, covered, where)
+        for f in figs:
+            if f.start > prev:
+                problems.append(Problem(doc.path, f.line, f"{f.text!r} has no source: add a footnote [^key] "
+                                                          "saying measured / counted / published"))
+    return problems
+
+
+def check_footnote(doc: Doc, note: Footnote, covered: list[Figure], line: int) -> list[Problem]:
+    here = f"[^{note.key}]"
+    if note.kind == "?":
+        return [Problem(doc.path, note.line, f"{here} must start with 'measured in results/X.json:', "
+                                             "'counted by module:' or 'published:'")]
+    if note.kind == "published":
+        if not CITATION.search(note.source) or len(note.source) < 15:
+            return [Problem(doc.path, note.line, f"{here} is 'published' but names no source "
+                                                 "(paper, README, datasheet, table, section or URL)")]
+        return []
+    shown = ", ".join(f.text for f in covered) or "none"
+    if len(note.exprs) != len(covered):
+        return [Problem(doc.path, line, f"{here} lists {len(note.exprs)} values but the figures before it "
+                                        f"are {len(covered)}: {shown}")]
+    problems = []
+    for fig, expr in zip(covered, note.exprs):
+        try:
+            value = evaluate(note, expr)
+        except Exception as exc:  # noqa: BLE001 (reported with its place)
+            problems.append(Problem(doc.path, fig.line, f"{fig.text!r}: {here} `{expr}` fails: {exc}"))
+            continue
+        if not agrees(fig, value):
+            problems.append(Problem(doc.path, fig.line, f"{fig.text!r} disagrees with its source: {here} "
+                                                         f"`{expr}` = {value:.6g} ({note.source})"))
+    return problems
+
+
+def prose_files() -> list[Path]:
+    return ([ROOT / "README.md"] + sorted((ROOT / "lessons").glob("*.md"))
+            + sorted((ROOT / "lessons").glob("*/*.md")) + sorted((ROOT / "notebooks").glob("*.ipynb")))
+
+
+def check_file(path: Path) -> list[Problem]:
+    """A markdown file, or a notebook whose markdown cells share one set of footnotes."""
+    docs = markdown_docs(path)
+    footnotes, problems = collect_footnotes(docs)
+    used: set[str] = set()
+    for d in docs:
+        d.footnotes = footnotes
+        problems += check_doc(d, used)
+    for key, note in footnotes.items():
+        if key not in used:
+            problems.append(Problem(str(path.relative_to(ROOT)), note.line, f"[^{key}] is defined but never referenced"))
+    return problems
+
+
+def main(argv: list[str]) -> int:
+    paths = [Path(a).resolve() for a in argv] or prose_files()
+    problems = [p for path in paths for p in check_file(path)]
+    for p in problems:
+        print(p)
+    print(f"{len(problems)} problem(s) in {len(paths)} file(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
