@@ -62,7 +62,7 @@ def activation_ranges(model: Llama, tokens: torch.Tensor) -> list[LayerRange]:
 class DtypeRun:
     dtype: str
     nonfinite_activations: int    # inf or nan anywhere in the recorded activations or logits (overflow)
-    flushed_to_zero: int          # values nonzero in fp32 but exactly zero here (underflow)
+    became_zero: int              # nonzero in fp32, exactly zero here: underflow, or cancellation in a sum
     logit_max_abs_err: float      # against the fp32 logits
     logit_rel_err: float          # mean |error| / mean |fp32 logit|
     argmax_agreement: float       # fraction of positions whose top token equals fp32's
@@ -85,14 +85,14 @@ def compare_dtypes(model: Llama, tokens: torch.Tensor, dtypes=("float32", "bfloa
         low = model if name == "float32" else copy.deepcopy(model).to(getattr(torch, name))
         acts, logits = (ref_acts, ref_logits) if name == "float32" else _record(low, tokens)
         nonfinite = int((~torch.isfinite(logits)).sum())
-        flushed = 0
+        zeros = 0
         for ref, got in zip(ref_acts, acts):
             for key in ("residual", "ffn_hidden"):
                 nonfinite += int((~torch.isfinite(got[key])).sum())
-                flushed += int(((ref[key] != 0) & (got[key] == 0)).sum())
+                zeros += int(((ref[key] != 0) & (got[key] == 0)).sum())
         err = (logits - ref_logits).abs()
         finite = torch.isfinite(err)
-        runs.append(DtypeRun(name, nonfinite, flushed,
+        runs.append(DtypeRun(name, nonfinite, zeros,
                              err[finite].max().item() if finite.any() else float("inf"),
                              (err[finite].mean() / ref_logits.abs().mean()).item() if finite.any() else float("inf"),
                              (logits.argmax(-1) == ref_top).float().mean().item(),

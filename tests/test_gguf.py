@@ -41,7 +41,7 @@ def test_unsupported_type_is_a_clear_error():
         dequantize(np.zeros(64, np.uint8), 12, (1, 256))  # Q4_K
 
 
-def test_metadata_matches_anchors(smollm2_path):
+def test_metadata_matches_the_published_config(smollm2_path):
     meta = read_gguf(smollm2_path).metadata
     assert meta["llama.block_count"] == 30 and meta["llama.embedding_length"] == 576
     assert meta["llama.attention.head_count"] == 9 and meta["llama.attention.head_count_kv"] == 3

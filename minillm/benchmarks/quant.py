@@ -3,10 +3,10 @@
     python -m minillm bench quant [--quick] [--json results/quant.json]
 
 Baseline caveat: the "fp32" model is SmolLM2's Q4_1 GGUF dequantised, so its weights already
-sit on a 16-level grid per block of 32 (see anchors.md). Asymmetric int4 with group 32, aligned
-to those blocks, can nearly reproduce it; the main comparisons use group 128 (and a g32 row
-shows the effect). Every method quantises only the linear layers in the 30 blocks; the tied
-embedding / LM head stays fp32 in every row.
+sit on a 16-level grid per block of 32 (Q4_1: llama.cpp's block_q4_1, read by minillm/gguf_file.py).
+Asymmetric int4 with group 32, aligned to those blocks, can nearly reproduce it; the main
+comparisons use group 128 (and a g32 row shows the effect). Every method quantises only the
+linear layers in the 30 blocks; the tied embedding / LM head stays fp32 in every row.
 
 Perplexity: evaluation_text() (never used for calibration) in 512-token windows, through
 LLM.generate's prompt_logprobs. GPTQ / AWQ calibrate on windows of calibration_text().

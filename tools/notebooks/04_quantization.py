@@ -27,6 +27,7 @@ QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
 device = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 print(machine_info(), "| mode:", "quick (MINILLM_QUICK=1)" if QUICK else "full")
+values = {}                                    # the figures lesson 04 quotes, saved by the last cell
 """),
 ("md", r"""
 ## 1. INT4 vs NF4: where the 16 levels go
@@ -50,6 +51,7 @@ for name, deq in [("int4 absmax, block 64", int4.fake_quantize(w, 4, 64, symmetr
                   ("int4 asymmetric, block 64", int4.fake_quantize(w, 4, 64, symmetric=False)),
                   ("NF4, block 64", nf4.dequantize(**nf4.quantize(w, 64), block=64))]:
     print(f"{name:28s} mean |error| = {(deq - w).abs().mean():.3e}   relative = {(deq - w).norm() / w.norm():.4f}")
+    values[name] = {"mean_abs_error": (deq - w).abs().mean().item(), "relative_error": ((deq - w).norm() / w.norm()).item()}
 """),
 ("md", r"""
 ## 2. What a "4-bit" weight really costs
@@ -105,6 +107,7 @@ with torch.no_grad():
             X = held_x[n].reshape(-1, W.shape[1])                      # (T, in)
             e_g, e_r = ((W - Q) @ X.T).pow(2).sum().item(), ((W - R) @ X.T).pow(2).sum().item()
             print(f"  {bits}-bit {n:11s} RTN {e_r:10.4g}   GPTQ {e_g:10.4g}   GPTQ/RTN = {e_g / e_r:.3f}")
+            values[f"gptq {bits}-bit {n}"] = {"rtn_error": e_r, "gptq_error": e_g, "gptq_over_rtn": e_g / e_r}
 """),
 ("md", r"""
 ## 4. AWQ: the alpha search
@@ -127,6 +130,7 @@ with torch.no_grad():
     plt.show()
     xm = x["attn.wq"].abs().reshape(-1, 576).mean(0).cpu()
     print("input channel mean |x|: max / median =", round((xm.max() / xm.median()).item(), 1), "(salient channels)")
+    values["awq input channel max/median"] = (xm.max() / xm.median()).item()
 """),
 ("md", r"""
 ## 5. int8 KV cache
@@ -144,8 +148,11 @@ with torch.no_grad():
         out = naive_attention(q_, dequantize_kv(kq, ks), dequantize_kv(vq, vs))
         print(f"{name}: attention output relative error {((out - ref).norm() / ref.norm()).item():.4f}; "
               f"bytes vs fp16 {kv_bytes(kq, ks) / (k_in.numel() * 2):.3f}")
+        values["kv int8"] = {"relative_error": ((out - ref).norm() / ref.norm()).item(),
+                             "bytes_vs_fp16": kv_bytes(kq, ks) / (k_in.numel() * 2)}
     ch = k_.abs().mean((0, 1, 2)).cpu()
     print("K channel mean |k|: max / median =", round((ch.max() / ch.median()).item(), 1))
+    values["k channel max/median"] = (ch.max() / ch.median()).item()
 """),
 ("md", r"""
 ## 6. The measured table (`python -m minillm bench quant`)
@@ -186,5 +193,9 @@ if torch.cuda.is_available():
     print(format_table(kernel_benchmark(QUICK)["results"]))
 else:
     print("no GPU here: the kernel benchmark (fp16 matmul vs W4A16 at batch 1..16) is not measured")
+"""),
+("code", r"""
+from minillm.benchmarks.common import save_notebook_values
+print("saved", save_notebook_values("04", values, QUICK) or "nothing (quick mode)")
 """),
 ]
