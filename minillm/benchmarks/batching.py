@@ -2,18 +2,18 @@
 
 Workload (offline: every request arrives at t = 0, greedy, ignore_eos so each request gets
 exactly the tokens it asks for): chat prompts that share one system prompt, followed by a
-passage of Python's documentation; prompt lengths log-uniform in [64, 512] tokens, output
+passage of Python's documentation; prompt lengths log-uniform in [16, 512] tokens, output
 lengths log-uniform in [16, 256] tokens. Quick mode shrinks all of it.
 
-Systems, all in one dtype (`--dtype`, bfloat16 by default: this CPU multiplies bf16 matrices
-with AMX, ~9x its fp32 GEMM rate, so bf16 is how one would serve on it; every system, transformers
-included, runs in the same dtype):
-  (a) hf_sequential   transformers' generate, one request at a time (KV cache on)
-  (b) hf_batched      transformers' generate on left-padded batches of HF_BATCH requests; each
-                      batch runs until its longest request is done
-  (c) static          minillm's static batching (minillm/static_batching.py), same batches
-  (d) continuous      minillm's engine, whole prompts per step (chunked prefill off)
-  (e) continuous_chunked_prefix   the engine with chunked prefill and prefix caching on
+Systems (SYSTEMS below), all in one dtype (`--dtype`, bfloat16 by default: this CPU multiplies
+bf16 matrices with AMX, ~9x its fp32 GEMM rate, so bf16 is how one would serve on it; every
+system, transformers included, runs in the same dtype). They separate three effects that a
+single "continuous vs static" ratio mixes:
+  1. scheduling at the same maximum batch: continuous_16 vs hf_batched and static (16 rows each);
+  2. the batch size alone: continuous (64 rows) vs continuous_16;
+  3. implementation speed: static vs hf_batched (same batches, same padding).
+And the ladder from transformers one request at a time to the engine at 64 rows (LADDER), one
+change per step, each step's factor measured in the same run.
 
 The systems run interleaved in rounds (see run()), because this VM's speed drifts over minutes.
 Throughput counts only the tokens the requests asked for (tokens a padded row computes after
@@ -32,6 +32,30 @@ from .common import document
 
 NAME = "batching"
 HF_BATCH = 16
+KNOB_REPEATS = 3          # the knob settings run the whole workload in the first KNOB_REPEATS rounds
+SYSTEMS = {
+    "hf_sequential": "transformers generate, one request at a time (KV cache on)",
+    "fast_sequential": "minillm LLM.generate, one prompt per call: the batch-1 path of lesson 02 (contiguous "
+                       "KV cache, fused projections, compiled decode step)",
+    "continuous_1": "minillm engine, max_num_seqs=1: paged KV cache, one request at a time",
+    "hf_batched": f"transformers generate on left-padded batches of {HF_BATCH}, each run until its longest "
+                  f"request is done",
+    "static": f"minillm static batching (minillm/static_batching.py), the same batches of {HF_BATCH}",
+    "continuous_16": f"minillm engine, max_num_seqs={HF_BATCH}: continuous batching at the static batch size",
+    "continuous": "minillm engine, max_num_seqs=64, whole prompts per step (chunked prefill off, 2048-token budget)",
+    "continuous_chunked_prefix": "continuous + chunked prefill (512-token budget) + prefix caching",
+}
+# One change per step, from transformers one request at a time to the engine at 64 rows.
+LADDER = (("hf_sequential", "transformers generate, one request at a time"),
+          ("fast_sequential", "+ minillm's batch-1 fast path (contiguous KV cache, compiled decode step)"),
+          ("continuous_1", "+ paged KV cache and the engine's step, still one request at a time"),
+          ("continuous_16", f"+ continuous batching, up to {HF_BATCH} requests per step"),
+          ("continuous", "+ up to 64 requests per step"))
+# The knobs of pitfall 6, one at a time around continuous_chunked_prefix's settings (the center);
+# max_num_seqs is the ladder's continuous_1 / continuous_16 / continuous.
+CENTER = dict(max_num_seqs=64, max_num_batched_tokens=512, block_size=16, enable_chunked_prefill=True,
+              enable_prefix_caching=True)
+KNOBS = (("max_num_batched_tokens", (128, 512, 2048)), ("block_size", (8, 16, 64)))
 SYSTEM = ("You are a careful assistant for Python programmers. Answer precisely, quote the "
           "documentation when it helps, and keep answers short.")
 
@@ -84,7 +108,7 @@ def run_hf(hf, prompts, outputs, batch_size: int, pad_id: int) -> dict:
     from transformers import LogitsProcessorList
 
     t0 = time.perf_counter()
-    ttft, tpot, tokens = [], [], []
+    ttft, tpot, tokens, computed = [], [], [], 0
     for first in range(0, len(prompts), batch_size):
         idx = list(range(first, min(first + batch_size, len(prompts))))
         longest = max(len(prompts[i]) for i in idx)
@@ -94,6 +118,7 @@ def run_hf(hf, prompts, outputs, batch_size: int, pad_id: int) -> dict:
             ids[b, longest - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[b, longest - len(prompts[i]):] = 1
         steps = max(outputs[i] for i in idx)
+        computed += len(idx) * steps                                     # rows x steps, as in static batching
         clock = StepClock()
         with torch.no_grad():
             gen = hf.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
@@ -104,7 +129,7 @@ def run_hf(hf, prompts, outputs, batch_size: int, pad_id: int) -> dict:
             own = clock.times[:outputs[i]]
             tpot.append((own[-1] - own[0]) / (len(own) - 1) if len(own) > 1 else None)
     wall = time.perf_counter() - t0
-    return {"wall": wall, "ttft": ttft, "tpot": tpot, "tokens": tokens}
+    return {"wall": wall, "ttft": ttft, "tpot": tpot, "tokens": tokens, "useful": sum(outputs), "computed": computed}
 
 
 def run_static(model, prompts, outputs, batch_size: int) -> dict:
@@ -154,10 +179,60 @@ def merge_slices(slices: list[dict]) -> dict:
     return merged
 
 
-def fresh_engine(llm):
-    """The same LLM with a new engine on first use: an empty KV pool and prefix cache."""
+def run_one_at_a_time(llm, prompts, outputs) -> dict:
+    """LLM.generate with one prompt per call: a lone request runs on the batch-1 fast path
+    (contiguous KV cache, compiled decode step), not on the engine. TTFT from the first call."""
+    from .. import SamplingParams
+
+    t0 = time.time()
+    p0 = time.perf_counter()
+    outs = [llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True),
+                         use_tqdm=False)[0] for p, m in zip(prompts, outputs)]
+    wall = time.perf_counter() - p0
+    return {"wall": wall, "ttft": [o.metrics.first_token_time - t0 for o in outs],
+            "tpot": [o.metrics.time_per_output_token for o in outs], "tokens": [o.outputs[0].token_ids for o in outs]}
+
+
+def run_fresh_engine(llm, prompts, outputs) -> dict:
+    """run_engine on a new engine (empty KV pool and prefix cache) after a one-request warm-up
+    (which, with prefix caching on, caches the shared system prompt); the pool is freed after."""
     llm._engine = None
-    return llm
+    run_engine(llm, prompts[:1], [2])
+    result = run_engine(llm, prompts, outputs)
+    llm._engine = None
+    return result
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median wall time (of an even count, the slower of the two middle ones)."""
+    return sorted(runs, key=lambda r: r["wall"])[len(runs) // 2]
+
+
+def spread(runs: list[dict], useful: int) -> dict:
+    """Throughput of the median run and the range over all runs: the run-to-run noise."""
+    walls = [r["wall"] for r in runs]
+    return {"output_tok_s": useful / median_run(runs)["wall"], "output_tok_s_min": useful / max(walls),
+            "output_tok_s_max": useful / min(walls), "runs_s": walls}
+
+
+def ladder(tok_s: dict) -> list[dict]:
+    """LADDER's steps with each one's throughput and its factor over the step before."""
+    rows = []
+    for i, (system, step) in enumerate(LADDER):
+        factor = tok_s[system] / tok_s[LADDER[i - 1][0]] if i else None
+        rows.append({"system": system, "step": step, "output_tok_s": tok_s[system], "factor": factor})
+    return rows
+
+
+def knob_row(knob: str, value: int, runs: list[dict], center: dict, useful: int) -> dict:
+    """One knob setting over its repeats. beyond_noise: its throughput range does not overlap
+    the center's, i.e. the difference exceeds the run-to-run spread."""
+    r, row = median_run(runs), spread(runs, useful)
+    beyond = (row["output_tok_s_max"] < center["output_tok_s_min"]
+              or row["output_tok_s_min"] > center["output_tok_s_max"])
+    return {"knob": knob, "value": value, **row, "ttft_p50_s": percentiles(r["ttft"])["p50"],
+            "tpot_p50_ms": 1e3 * percentiles(r["tpot"])["p50"], "preemptions": max(x["preempted"] for x in runs),
+            "beyond_noise": beyond}
 
 
 def _plot(steps, t0, path):
@@ -186,79 +261,103 @@ def run(quick: bool, dtype: str = "bfloat16") -> dict:
     from .. import LLM
     from .kv_cache import dense_hf_model
 
+    started = time.perf_counter()
     n, prange, orange = (6, (64, 160), (4, 16)) if quick else (64, (16, 512), (16, 256))
     base = LLM(model="smollm2", dtype=dtype, device="cpu", max_num_seqs=64,
                max_num_batched_tokens=2048, enable_chunked_prefill=False)
     tok = base.get_tokenizer()
     prompts, outputs = make_workload(tok, n, prange, orange)
+    useful = sum(outputs)
     hf = dense_hf_model(getattr(torch, dtype))
-    # warm-up: one short request through every system
+
+    def engine(**args):
+        """An LLM on base's weights with other engine settings."""
+        return LLM(model=base.model, tokenizer=base.tokenizer, device="cpu", **dict(base.engine_args, **args))
+
+    # warm-up: one short request through every path (two for the compiled decode step: the
+    # second cache size makes its shapes dynamic, so the timed runs do not recompile)
     run_hf(hf, prompts[:1], [2], 1, tok.eos_token_id)
     run_static(base.model, prompts[:1], [2], 1)
-    run_engine(base, prompts[:1], [2])
+    run_one_at_a_time(base, prompts[:2], [3, 3])
+    one = engine(max_num_seqs=1)
+    sliced = {"hf_sequential": lambda p, o: run_hf(hf, p, o, 1, tok.eos_token_id),
+              "fast_sequential": lambda p, o: run_one_at_a_time(base, p, o),
+              "continuous_1": lambda p, o: run_fresh_engine(one, p, o),
+              "hf_batched": lambda p, o: run_hf(hf, p, o, HF_BATCH, tok.eos_token_id),
+              "static": lambda p, o: run_static(base.model, p, o, HF_BATCH)}
+    whole = {"continuous_16": engine(max_num_seqs=HF_BATCH), "continuous": base,
+             "continuous_chunked_prefix": engine(**CENTER)}
+    knob_llms = {} if quick else {f"{knob}={value}": engine(**dict(CENTER, **{knob: value}))
+                                  for knob, values in KNOBS for value in values if value != CENTER[knob]}
+    engines = {**whole, **knob_llms}
+    repeats = 0 if quick else KNOB_REPEATS
     # Interleaved rounds: this VM's speed drifts by up to +-30% over minutes, so no system may run
     # all of its work in a different stretch of time from the others. Round r runs slice r of the
-    # workload (HF_BATCH requests) through (a), (b), (c), then the WHOLE workload through (d) and
-    # (e). A sliced system's time is the sum of its slices (its TTFT: as if the slices ran back to
-    # back from t = 0); (d) and (e) report their median run.
+    # workload (HF_BATCH requests) through the `sliced` systems and the WHOLE workload through the
+    # `whole` ones (and the knob settings, in the first KNOB_REPEATS rounds), every other round in
+    # reverse order so that no system always runs first. A sliced system's time is the sum of its
+    # slices (its TTFT: as if the slices ran back to back from t = 0); a whole one reports its
+    # median run and the range of its runs.
     rounds = [range(first, min(first + HF_BATCH, n)) for first in range(0, n, HF_BATCH)]
-    sliced = {"hf_sequential": lambda idx: run_hf(hf, [prompts[i] for i in idx], [outputs[i] for i in idx], 1,
-                                                  tok.eos_token_id),
-              "hf_batched": lambda idx: run_hf(hf, [prompts[i] for i in idx], [outputs[i] for i in idx], HF_BATCH,
-                                               tok.eos_token_id),
-              "static": lambda idx: run_static(base.model, [prompts[i] for i in idx], [outputs[i] for i in idx],
-                                               HF_BATCH)}
-    best = LLM(model=base.model, tokenizer=base.tokenizer, device="cpu", max_num_seqs=64, max_num_batched_tokens=512,
-               enable_chunked_prefill=True, enable_prefix_caching=True)    # same weights, (e)'s settings
     parts = {name: [] for name in sliced}
-    engine_runs = {"continuous": [], "continuous_chunked_prefix": []}
-    for idx in rounds:
-        for name, fn in sliced.items():
-            parts[name].append(fn(idx))
-        engine_runs["continuous"].append(run_engine(base, prompts, outputs))
-        best = fresh_engine(best)
-        run_engine(best, prompts[:1], [2])                              # warm-up (and caches the system prompt)
-        engine_runs["continuous_chunked_prefix"].append(run_engine(best, prompts, outputs))
+    runs = {name: [] for name in engines}
+    for r, idx in enumerate(rounds):
+        names = [*sliced, *whole, *(knob_llms if r < repeats else [])]
+        for name in names[::-1] if r % 2 else names:
+            if name in sliced:
+                parts[name].append(sliced[name]([prompts[i] for i in idx], [outputs[i] for i in idx]))
+            else:
+                runs[name].append(run_fresh_engine(engines[name], prompts, outputs))
     results, tokens = [], {}
     for name, slices in parts.items():
         r = merge_slices(slices)
         tokens[name] = r["tokens"]
-        extra = {"padding_waste": 1 - r["useful"] / r["computed"]} if "useful" in r else {}
-        results.append(summarise(name, r["wall"], sum(outputs), r["ttft"], r["tpot"], extra))
-    for name, runs in engine_runs.items():
-        r = sorted(runs, key=lambda x: x["wall"])[len(runs) // 2]
+        results.append(summarise(name, r["wall"], useful, r["ttft"], r["tpot"],
+                                 {"padding_waste": 1 - r["useful"] / r["computed"]} if "useful" in r else {}))
+    for name in whole:
+        r = median_run(runs[name])
         tokens[name] = r["tokens"]
-        extra = {"runs_s": [x["wall"] for x in runs]}
+        extra = spread(runs[name], useful)
         if name == "continuous_chunked_prefix":
             extra["prefix_cached_tokens"] = r["cached"]
-        results.append(summarise(name, r["wall"], sum(outputs), r["ttft"], r["tpot"], extra))
+        results.append(summarise(name, r["wall"], useful, r["ttft"], r["tpot"], extra))
     plot = "results/quick/batching-steps.png" if quick else "results/batching-steps.png"
     os.makedirs(os.path.dirname(plot), exist_ok=True)
-    _plot(r["steps"], r["t0"], plot)
-    # the knobs of pitfall 6, one at a time around the engine's defaults
+    shown = median_run(runs["continuous_chunked_prefix"])
+    _plot(shown["steps"], shown["t0"], plot)
     knobs = []
-    if not quick:
-        for knob, values in (("max_num_seqs", [4, 16, 64]), ("max_num_batched_tokens", [128, 512, 2048]),
-                             ("block_size", [8, 16, 64])):
-            for value in values:
-                args = dict(max_num_seqs=64, max_num_batched_tokens=512, block_size=16,
-                            enable_chunked_prefill=True, enable_prefix_caching=True)
-                args[knob] = value
-                llm = LLM(model="smollm2", dtype=dtype, device="cpu", **args)
-                run_engine(llm, prompts[:1], [2])
-                k = run_engine(llm, prompts, outputs)
-                knobs.append({"knob": knob, "value": value, "output_tok_s": sum(outputs) / k["wall"],
-                              "ttft_p50_s": percentiles(k["ttft"])["p50"],
-                              "tpot_p50_ms": 1e3 * percentiles(k["tpot"])["p50"], "preemptions": k["preempted"]})
-                del llm
+    if knob_llms:
+        center_runs = runs["continuous_chunked_prefix"][:repeats]               # the same rounds as the knobs
+        center = spread(center_runs, useful)
+        for knob, values in KNOBS:
+            knobs += [knob_row(knob, value, center_runs if value == CENTER[knob] else runs[f"{knob}={value}"],
+                               center, useful) for value in values]
     by = {row["system"]: row["output_tok_s"] for row in results}
     same = {name: float(np.mean([a == b for a, b in zip(tokens[name], tokens["static"])])) for name in tokens}
-    summary = {"ratio_continuous_vs_hf_sequential": by["continuous"] / by["hf_sequential"],
-               "ratio_continuous_vs_hf_batched": by["continuous"] / by["hf_batched"],
-               "ratio_continuous_vs_static": by["continuous"] / by["static"],
-               "ratio_chunked_prefix_vs_static": by["continuous_chunked_prefix"] / by["static"],
-               "output_tok_s": by, "requests_with_tokens_equal_to_static": same, "knobs": knobs}
+    summary = {
+        # end to end: these mix the max batch (64 vs 16 rows), implementation speed and scheduling
+        "ratio_continuous_vs_hf_sequential": by["continuous"] / by["hf_sequential"],
+        "ratio_continuous_vs_hf_batched": by["continuous"] / by["hf_batched"],
+        "ratio_continuous_vs_static": by["continuous"] / by["static"],
+        "ratio_chunked_prefix_vs_static": by["continuous_chunked_prefix"] / by["static"],
+        # 1. scheduling at the same max batch of HF_BATCH rows
+        "ratio_continuous16_vs_hf_batched": by["continuous_16"] / by["hf_batched"],
+        "ratio_continuous16_vs_static": by["continuous_16"] / by["static"],
+        # 2. the max batch alone: the same engine, 64 vs HF_BATCH rows
+        "ratio_continuous64_vs_continuous16": by["continuous"] / by["continuous_16"],
+        # 3. implementation: the same batches and padding, minillm's code vs transformers'
+        "ratio_static_vs_hf_batched": by["static"] / by["hf_batched"],
+        # implementation with no batching at all: one request at a time, paged engine vs transformers
+        "ratio_continuous1_vs_hf_sequential": by["continuous_1"] / by["hf_sequential"],
+        "ladder": ladder(by), "ladder_product": by[LADDER[-1][0]] / by[LADDER[0][0]],
+        "output_tok_s": by, "requests_with_tokens_equal_to_static": same, "knobs": knobs}
     config = {"requests": n, "prompt_tokens": prange, "output_tokens": orange, "hf_batch": HF_BATCH,
               "prompt_lengths": [len(p) for p in prompts], "output_lengths": outputs,
-              "dtype": dtype, "greedy": True, "arrival": "all at t=0", "plot": plot}
+              "dtype": dtype, "greedy": True, "arrival": "all at t=0", "systems": SYSTEMS,
+              "rounds": len(rounds), "knob_repeats": repeats,
+              "schedule": f"{len(rounds)} rounds; each runs one slice of {HF_BATCH} requests through "
+                          f"{', '.join(sliced)} (their time: the sum of the slices, i.e. the whole workload once) "
+                          f"and the whole workload through {', '.join(whole)} (median run and range) and, in the "
+                          f"first {repeats} rounds, through each knob setting; odd rounds in reverse order",
+              "knob_center": CENTER, "plot": plot, "benchmark_minutes": (time.perf_counter() - started) / 60}
     return document(NAME, config, results + [dict(part="knob", **k) for k in knobs], summary)
