@@ -42,6 +42,7 @@ from minillm.paged import check_paged_attention_args
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)              # what the decode kernel's tl.dot takes
 
 
 @triton.jit
@@ -173,8 +174,10 @@ def _check_device(*tensors: torch.Tensor) -> None:
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write k, v (T, Hkv, D) into k_cache, v_cache (num_blocks, block_size, Hkv, D) at slot_mapping (T,)."""
+             slot_mapping: torch.Tensor, slots_checked: bool = False) -> None:
+    """Write k, v (T, Hkv, D) into k_cache, v_cache (num_blocks, block_size, Hkv, D) at slot_mapping (T,).
+    slots_checked=True skips the slot range check (a device sync): for callers whose slots come from
+    the block manager, as the model runner's do."""
     if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != k_cache.shape[2:]:
         raise ValueError(f"k and v must be (T, Hkv, D) matching the cache's (Hkv, D) "
                          f"{tuple(k_cache.shape[2:])}, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -186,6 +189,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     T, Hkv, D = k.shape
     if T == 0:
         return
+    if not slots_checked:                    # the kernel writes wherever a slot points: a bad one corrupts memory
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        lo, hi = (int(x) for x in slot_mapping.aminmax())
+        if lo < -1 or hi >= num_slots:
+            raise ValueError(f"slot_mapping holds slots {lo}..{hi}; allowed: [-1, {num_slots}) "
+                             f"(-1 = padding; the cache has {k_cache.shape[0]} blocks of {k_cache.shape[1]})")
     _store_kv[(T,)](k, v, k_cache, v_cache, slot_mapping,
                     *k.stride(), *v.stride(), *k_cache.stride(),
                     HKV=Hkv, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(Hkv),
@@ -200,6 +209,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     seq_lens (B,) int -> o (B, Hq, D). num_splits > 1 runs the split-K (flash-decoding) variant."""
     check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens)
     _check_device(q, k_cache, v_cache, block_tables, seq_lens)
+    if not q.dtype == k_cache.dtype == v_cache.dtype:     # tl.dot takes one dtype (an int8 cache is dequantised first)
+        raise ValueError(f"dtypes of q, k_cache, v_cache must agree, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if q.dtype not in DTYPES:
+        raise ValueError(f"dtype {str(q.dtype).removeprefix('torch.')} is not supported; allowed: "
+                         f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)}")
     B, Hq, D = q.shape
     Hkv, block_size = k_cache.shape[2], k_cache.shape[1]
     if D > MAX_HEAD_DIM:

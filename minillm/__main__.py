@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import sys
 
 
@@ -55,7 +56,7 @@ def _serve(args) -> None:
               kv_cache_dtype=args.kv_cache_dtype)
     name = args.served_model_name or args.model
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI-compatible)", flush=True)
-    serve(llm, host=args.host, port=args.port, served_model_name=name)
+    serve(llm, host=args.host, port=args.port, served_model_name=name, api_key=args.api_key)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt in one step")
     s.add_argument("--enable-prefix-caching", action="store_true", help="reuse KV blocks of shared prefixes")
     s.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) | int8")
+    s.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or os.environ.get("MINILLM_API_KEY"),
+                   help="/v1/* wants 'Authorization: Bearer KEY' (default: $VLLM_API_KEY, as vLLM, "
+                        "or $MINILLM_API_KEY; none: open)")
     s.set_defaults(func=_serve)
 
     from .labs import add_lab_parser

@@ -17,12 +17,14 @@ One step:
 
 The LLM owns the request life cycle (tokenising, sampling, stop rules, outputs); the engine
 owns the batching. Per-step metrics (batch size, tokens, decodes, prefill tokens, preemptions)
-are kept in engine.step_log for lessons and benchmarks.
+for the last STEP_LOG_LEN steps are kept in engine.step_log for lessons and benchmarks.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
+from collections import deque
 
 import torch
 
@@ -32,10 +34,20 @@ from .request import Request, RequestStatus
 from .scheduler import Scheduler
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30        # 1 GiB of K/V when num_kv_blocks is not given (more blocks with int8)
+STEP_LOG_LEN = 10_000                   # engine.step_log keeps the last this many steps (a server runs for days)
+
+
+class StepLog(deque):
+    """A bounded deque of per-step dicts that slices like a list: readers take log[first:]."""
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return list(itertools.islice(self, *i.indices(len(self))))
+        return super().__getitem__(i)
 
 
 def check_engine_args(llm, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
-                      kv_cache_dtype: str = "auto") -> int:
+                      kv_cache_dtype: str = "auto", enable_chunked_prefill: bool = True) -> int:
     """Validate the engine's knobs (ValueError naming the argument); returns the number of KV blocks."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype = {kv_cache_dtype!r} is not supported; allowed: "
@@ -45,6 +57,13 @@ def check_engine_args(llm, block_size, num_kv_blocks, max_num_seqs, max_num_batc
     for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} = {value!r} is invalid; allowed: an integer >= 1")
+    # without chunks a preempted request is recomputed as ONE prefill of prompt + output (up to
+    # max_model_len tokens): a smaller step budget could never re-admit it and would block the
+    # queue. vLLM refuses the same (SchedulerConfig._verify_args)
+    if not enable_chunked_prefill and max_num_batched_tokens < llm.max_model_len:
+        raise ValueError(f"max_num_batched_tokens = {max_num_batched_tokens} is smaller than max_model_len = "
+                         f"{llm.max_model_len}; allowed with enable_chunked_prefill=False: max_num_batched_tokens "
+                         f">= max_model_len (a sequence must fit one step); or enable chunked prefill")
     per_seq = math.ceil(llm.max_model_len / block_size)
     if num_kv_blocks is None:
         per_block = PagedKVCache.bytes_per_block(llm.config, block_size, llm.model.embed.weight.dtype, kv_cache_dtype)
@@ -62,7 +81,7 @@ class Engine:
                  kv_cache_dtype: str = "auto"):
         cfg, dtype = llm.config, llm.model.embed.weight.dtype
         num_kv_blocks = check_engine_args(llm, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
-                                          kv_cache_dtype)
+                                          kv_cache_dtype, enable_chunked_prefill)
         self.llm = llm
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
@@ -72,7 +91,7 @@ class Engine:
         # model_runner.group_by_length, for CPU attention; the GPU kernel takes every row at once
         self.decode_group_cost = None if self.runner.use_triton else GROUP_COST_BLOCKS
         self.requests: dict[str, Request] = {}
-        self.step_log: list[dict] = []
+        self.step_log = StepLog(maxlen=STEP_LOG_LEN)
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -84,10 +103,11 @@ class Engine:
     def abort_request(self, request_id: str) -> None:
         """Stop a request now (a client went away); its blocks go back to the pool."""
         req = self.requests.pop(request_id, None)
-        if req is None or req.finished:
+        if req is None:
             return
-        req.finish_reason = "abort"
-        self.scheduler.finish(req)
+        if not req.finished:
+            req.finish_reason = "abort"
+        self.scheduler.finish(req)        # also when it finished but a step failed before freeing it
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -144,10 +164,17 @@ class Engine:
         return events
 
     def run(self, requests: list[Request], progress=None) -> None:
-        """Add every request and step until all are finished (progress: a tqdm bar or None)."""
-        for req in requests:
-            self.add_request(req)
-        while self.has_unfinished():
-            for req, _ in self.step():
-                if req.finished and progress is not None:
-                    progress.update(1)
+        """Add every request and step until all are finished (progress: a tqdm bar or None).
+        On an error or Ctrl-C the requests of this call are aborted, their blocks freed: the
+        next call must not silently finish them."""
+        try:
+            for req in requests:
+                self.add_request(req)
+            while self.has_unfinished():
+                for req, _ in self.step():
+                    if req.finished and progress is not None:
+                        progress.update(1)
+        finally:
+            for req in requests:
+                if self.requests.get(req.request_id) is req:     # not a clashing id of someone else's
+                    self.abort_request(req.request_id)

@@ -129,6 +129,20 @@ _compiled_dot = torch.compile(_rowwise_dot)
 _compiler_broken: str | None = None                                       # why compiling is unavailable
 
 
+def _compiler_errors() -> tuple[type[BaseException], ...]:
+    """What torch.compile raises when IT fails (tracing, lowering, building the C++), as opposed to
+    an error of the code it runs. Looked up by name: the classes move between torch versions
+    (InductorError is 2.7+); TorchDynamoException covers BackendCompilerFailed, Unsupported,
+    TorchRuntimeError and InternalTorchDynamoError."""
+    import torch._dynamo.exc as dynamo_exc
+    import torch._inductor.exc as inductor_exc
+
+    found = [getattr(dynamo_exc, "TorchDynamoException", None)]
+    found += [getattr(inductor_exc, name, None)
+              for name in ("InductorError", "LoweringException", "CppCompileError", "InvalidCxxCompiler")]
+    return tuple(e for e in found if e is not None)
+
+
 def _run_compiled(compiled, eager, *args):
     """compiled(*args); where torch.compile cannot build (no C++ compiler), warn once and from
     then on run eager(*args): the same math, unfused."""
@@ -136,7 +150,7 @@ def _run_compiled(compiled, eager, *args):
     if _compiler_broken is None:
         try:
             return compiled(*args)
-        except Exception as e:                                            # Inductor's build error
+        except _compiler_errors() as e:                                   # any other error is the step's own
             _compiler_broken = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
             warnings.warn(f"torch.compile could not build the CPU decode kernels ({_compiler_broken}); "
                           "running them eagerly")

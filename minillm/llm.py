@@ -73,7 +73,8 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 enable_chunked_prefill=enable_chunked_prefill,
                                 enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype)
-        check_engine_args(self, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, kv_cache_dtype)
+        check_engine_args(self, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, kv_cache_dtype,
+                          enable_chunked_prefill)
         if kv_cache_dtype != "auto" and speculative_method is not None:
             raise ValueError(f"kv_cache_dtype = {kv_cache_dtype!r} needs the batching engine; speculative decoding "
                              f"runs on the contiguous cache: use kv_cache_dtype='auto' with speculative_method")

@@ -251,7 +251,7 @@ class ModelRunner:
     def _store(self, layer: int, k, v, slot_mapping) -> None:
         if self.use_triton:
             from kernels.paged_attention import store_kv
-            store_kv(k, v, self.kv.k[layer], self.kv.v[layer], slot_mapping)
+            store_kv(k, v, self.kv.k[layer], self.kv.v[layer], slot_mapping, slots_checked=True)   # block manager's slots
         else:
             self.kv.store(layer, k, v, slot_mapping)
 

@@ -435,11 +435,11 @@ def paged_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         seg_len = math.ceil(math.ceil(seq_len / num_splits) / tile) * tile
         partials, lses = [], []
         for start in range(0, seq_len, max(seg_len, 1)):
-            m = torch.full((Hkv, group), -math.inf)                      # running max
-            l = torch.zeros(Hkv, group)                                  # running sum of exp
-            acc = torch.zeros(Hkv, group, D)                             # running sum of p @ v
+            m = torch.full((Hkv, group), -math.inf, device=q.device)     # running max
+            l = torch.zeros(Hkv, group, device=q.device)                 # running sum of exp
+            acc = torch.zeros(Hkv, group, D, device=q.device)            # running sum of p @ v
             for t0 in range(start, min(start + seg_len, seq_len), tile):
-                pos = torch.arange(t0, min(t0 + tile, seq_len, start + seg_len))   # (N,)
+                pos = torch.arange(t0, min(t0 + tile, seq_len, start + seg_len), device=block_tables.device)  # (N,)
                 blocks = block_tables[b, pos // block_size].long()      # (N,) the page walk
                 k = k_cache[blocks, pos % block_size].float()            # (N, Hkv, D)
                 v = v_cache[blocks, pos % block_size].float()            # (N, Hkv, D)

@@ -5,6 +5,7 @@ tokens whatever else shares its batch.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -33,21 +34,27 @@ class SamplingParams:
         def bad(name, allowed):
             raise ValueError(f"SamplingParams.{name} = {getattr(self, name)!r} is invalid; allowed: {allowed}")
 
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            bad("temperature", "a number >= 0 (0 = greedy)")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        def number(v):          # bool is an int subclass; NaN and inf pass every comparison test below
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        def integer(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not number(self.temperature) or self.temperature < 0:
+            bad("temperature", "a finite number >= 0 (0 = greedy)")
+        if not number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "a number in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+        if not integer(self.top_k) or self.top_k == 0 or self.top_k < -1:
             bad("top_k", "-1 (disabled) or an integer >= 1")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not integer(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "an integer >= 1")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not integer(self.seed):
             bad("seed", "None or an integer")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "a non-empty string or a list of non-empty strings")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 0):
+            if v is not None and (not integer(v) or v < 0):
                 bad(name, "None or an integer >= 0")
 
     @property

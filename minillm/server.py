@@ -7,25 +7,20 @@
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as
 server-sent events or not), GET /health, GET /debug/engine (KV block and request counters).
 
-Architecture: the engine is not thread-safe, so exactly one thread owns it.
+Also GET /metrics (Prometheus text). With an API key, /v1/* wants `Authorization: Bearer KEY`.
 
-    uvicorn's event loop (async handlers)               EngineWorker thread (owns llm.engine)
-    parse + validate + tokenise -> Request
-    worker.submit(req, sink)  ----- inbox queue ----->  add_request(req)
-                                                        step() -> (req, delta) for each request
-    await sink's asyncio.Queue <- call_soon_threadsafe   push Delta(text, finish_reason) to its sink
-    client went away: worker.abort(id)  --- inbox --->  abort_request(id): its KV blocks are freed
-
-Every concurrent HTTP request therefore shares one batch: the scheduler admits new requests
-at the next step, exactly as it does offline.
+Architecture: the engine is not thread-safe, so exactly one thread owns it: the EngineWorker
+(minillm/engine_worker.py). This module is the HTTP side: it validates, tokenises, submits a
+Request to the worker and streams the Deltas it sends back, aborting the request when its
+client goes away. Every concurrent HTTP request therefore shares one batch: the scheduler
+admits new requests at the next step, exactly as it does offline.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
-import logging
-import queue
 import threading
 import time
 import uuid
@@ -34,15 +29,19 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .engine_worker import Delta, EngineFailure, EngineWorker, QueueFull, _Sink
 from .request import Request
 from .sampling import SamplingParams
 
-log = logging.getLogger("minillm.server")
-DISCONNECT_POLL_S = 0.25            # how often a non-streaming handler checks that its client is still there
+DISCONNECT_POLL_S = 0.25            # how often a handler checks that its client is still there
+MAX_BODY_BYTES = 1 << 20            # a chat that fills the context is a few tens of KiB of JSON
+MAX_STOP_STRINGS = 16               # each one is searched for after every token
+MAX_STOP_CHARS = 256
 
 # OpenAI fields minillm does not implement: accepted only at values that change nothing.
 UNSUPPORTED_FIELDS = {
@@ -115,6 +114,12 @@ class _RequestBody(BaseModel):
                 raise APIError(400, f"{name} = {value!r} is not supported by minillm's server "
                                     f"(allowed: {' or '.join(map(repr, harmless))})", param=name)
 
+    def check_stop(self) -> None:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+                                f"characters each", param="stop")
+
     @property
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
@@ -131,141 +136,32 @@ class ChatBody(_RequestBody):
     max_completion_tokens: int | None = None      # OpenAI's newer name; wins over max_tokens
 
 
-# ---- the engine thread --------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Delta:
-    """What the engine thread tells a handler after a step: new text, and whether it is over."""
-    text: str
-    finish_reason: str | None          # "stop", "length", "abort"; None while running
-    num_output_tokens: int
-    error: str | None = None
-
-
-@dataclass
-class _Sink:
-    """Where one request's deltas go: an asyncio.Queue owned by the handler's event loop."""
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-    def push(self, delta: Delta) -> None:
-        with contextlib.suppress(RuntimeError):    # the loop has closed: nobody is listening any more
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
-
-
-class EngineWorker:
-    """The one thread that calls the engine. Others talk to it only through `inbox`."""
-
-    _STOP = object()
-
-    def __init__(self, llm):
-        if llm.speculative_method is not None:
-            raise ValueError("the server runs on the continuous batching engine; "
-                             "speculative_method must be None")
-        self.engine = llm.engine                  # built here: it allocates the KV pool
-        self.inbox: queue.Queue = queue.Queue()
-        self.sinks: dict[str, _Sink] = {}         # request_id -> sink, for requests in the engine
-        self.counters = {"num_finished": 0, "num_aborted": 0, "num_failed": 0}
-        self.stats = self._snapshot()
-        self.thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
-
-    # called from other threads
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.inbox.put(self._STOP)
-        self.thread.join()
-
-    def submit(self, req: Request, sink: _Sink) -> None:
-        self.inbox.put(("add", req, sink))
-
-    def abort(self, request_id: str) -> None:
-        self.inbox.put(("abort", request_id))
-
-    # the engine thread
-    def _run(self) -> None:
-        while self._take_commands(wait=not self.engine.has_unfinished()):
-            if self.engine.has_unfinished():
-                self._step()
-            self.stats = self._snapshot()
-
-    def _take_commands(self, wait: bool) -> bool:
-        """Apply every queued command (blocking for the first one when idle). False on stop."""
-        commands = [self.inbox.get()] if wait else []
-        with contextlib.suppress(queue.Empty):
-            while True:
-                commands.append(self.inbox.get_nowait())
-        for command in commands:
-            if command is self._STOP:
-                for request_id in list(self.sinks):
-                    self._abort(request_id)
-                return False
-            if command[0] == "add":
-                _, req, sink = command
-                self.engine.add_request(req)
-                self.sinks[req.request_id] = sink
-            else:
-                self._abort(command[1])
-        return True
-
-    def _abort(self, request_id: str) -> None:
-        sink = self.sinks.pop(request_id, None)
-        if sink is None:                          # it finished before the abort arrived
-            return
-        self.engine.abort_request(request_id)
-        self.counters["num_aborted"] += 1
-        sink.push(Delta("", "abort", 0))
-
-    def _step(self) -> None:
-        try:
-            events = self.engine.step()
-        except Exception as e:                    # keep serving: fail the requests in flight, free their blocks
-            log.exception("engine step failed")
-            for request_id, sink in list(self.sinks.items()):
-                self.engine.abort_request(request_id)
-                sink.push(Delta("", None, 0, error=f"engine step failed: {e}"))
-            self.counters["num_failed"] += len(self.sinks)
-            self.sinks.clear()
-            return
-        for req, text in events:
-            sink = self.sinks[req.request_id]
-            sink.push(Delta(text, req.finish_reason, len(req.output_token_ids)))
-            if req.finished:
-                del self.sinks[req.request_id]
-                self.counters["num_finished"] += 1
-
-    def _snapshot(self) -> dict:
-        """Counters published for /debug/engine, so that no other thread reads the engine itself."""
-        bm = self.engine.block_manager
-        return {"num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
-                "num_requests": len(self.sinks), **self.counters}
-
-
 # ---- one request seen from its handler -----------------------------------------------------
-
-class EngineFailure(Exception):
-    pass
-
 
 class Job:
     """One Request in flight: submitted on creation, read as Deltas, aborted if abandoned."""
 
-    def __init__(self, worker: EngineWorker, req: Request, model: str, id_prefix: str):
+    def __init__(self, worker: EngineWorker, req: Request, model: str, id_prefix: str, http: HTTPRequest):
         self.worker, self.req, self.model = worker, req, model
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.finish_reason: str | None = None
         self.num_output_tokens = 0
         self._queue: asyncio.Queue = asyncio.Queue()
-        worker.submit(req, _Sink(asyncio.get_running_loop(), self._queue))
+        try:
+            worker.submit(req, _Sink(asyncio.get_running_loop(), self._queue))
+        except QueueFull as e:
+            raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded") from e
+        # watch the client from the start: a stream body that never starts runs no finally, and
+        # servers on ASGI 2.4 do not tell Starlette that a streaming client has gone
+        self._watcher = asyncio.create_task(self._abort_on_disconnect(http))
 
     async def deltas(self) -> AsyncIterator[Delta]:
         while self.finish_reason is None:
             delta = await self._queue.get()
             if delta.error is not None:
                 self.finish_reason = "error"
-                raise EngineFailure(delta.error)
+                raise EngineFailure(delta.error, delta.client_error)
             self.finish_reason, self.num_output_tokens = delta.finish_reason, delta.num_output_tokens
             yield delta
 
@@ -281,13 +177,18 @@ class Job:
     def head(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
 
-    async def text(self, http: HTTPRequest) -> str:
-        """All of the output, aborting the request if the client hangs up while it waits."""
-        watcher = asyncio.create_task(self._abort_on_disconnect(http))
+    async def text(self) -> str:
+        """All of the output."""
         try:
             return "".join([delta.text async for delta in self.deltas()])
         finally:
-            watcher.cancel()
+            self.close()
+
+    def close(self) -> None:
+        """The handler is done with the request: abort it if it is still running (an error, a
+        cancelled handler), as it would otherwise decode on to max_tokens."""
+        self._watcher.cancel()
+        self.abort()
 
     async def _abort_on_disconnect(self, http: HTTPRequest) -> None:
         while not await http.is_disconnected():
@@ -326,19 +227,24 @@ async def _event_stream(job: Job, shape: _Shape, include_usage: bool) -> AsyncIt
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
     head = job.head(shape.chunk_object)
     try:
-        if shape.chat:                               # OpenAI opens a chat stream with the role
-            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
-        async for delta in job.deltas():
-            if delta.text or delta.finish_reason:    # empty deltas: text held back (partial UTF-8, stop string)
-                yield _sse({**head, "choices": [shape.chunk_choice(delta.text, delta.finish_reason)]})
-        if include_usage:
-            yield _sse({**head, "choices": [], "usage": job.usage()})
-    except EngineFailure as e:
-        yield _sse(APIError(500, str(e), type="server_error").body())
-    finally:                                         # the client disconnected mid-stream: free its blocks
-        job.abort()
+        try:
+            if shape.chat:                           # OpenAI opens a chat stream with the role
+                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
+            async for delta in job.deltas():
+                if delta.text or delta.finish_reason:    # empty deltas: text held back (partial UTF-8, stop string)
+                    yield _sse({**head, "choices": [shape.chunk_choice(delta.text, delta.finish_reason)]})
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": job.usage()})
+        except EngineFailure as e:
+            yield _sse(_engine_error(e).body())
+    finally:
+        job.close()
     yield "data: [DONE]\n\n"
+
+
+def _engine_error(e: EngineFailure) -> APIError:
+    return APIError(400, str(e)) if e.client_error else APIError(500, str(e), type="server_error")
 
 
 # ---- the app ------------------------------------------------------------------------------
@@ -346,9 +252,10 @@ async def _event_stream(job: Job, shape: _Shape, include_usage: bool) -> AsyncIt
 class OpenAIServer:
     """The endpoints, over one LLM whose engine the worker thread owns."""
 
-    def __init__(self, llm, served_model_name: str):
+    def __init__(self, llm, served_model_name: str, max_waiting: int, stall_timeout_s: float):
         self.llm, self.model_name = llm, served_model_name
-        self.worker = EngineWorker(llm)
+        self.worker = EngineWorker(llm, max_waiting)
+        self.stall_timeout_s = stall_timeout_s
         self.created = int(time.time())
 
     async def models(self) -> dict:
@@ -356,7 +263,17 @@ class OpenAIServer:
                                             "owned_by": "minillm", "max_model_len": self.llm.max_model_len}]}
 
     async def health(self) -> dict:
+        """200 while the engine thread can serve: a load balancer takes a 503 server out."""
+        if not self.worker.thread.is_alive():
+            raise APIError(503, "the engine thread has died (see the server log)", type="server_error")
+        stalled = self.worker.stalled_for()
+        if stalled > self.stall_timeout_s:
+            raise APIError(503, f"the engine has made no progress for {stalled:.0f} s although requests wait",
+                           type="server_error")
         return {}
+
+    async def metrics(self) -> Response:
+        return Response(generate_latest(self.worker.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def debug_engine(self) -> dict:
         return self.worker.stats
@@ -365,7 +282,7 @@ class OpenAIServer:
         self._check(body)
         text, ids = self._completion_prompt(body.prompt)
         req = self._new_request(text, ids, body, body.max_tokens, "prompt")
-        return await self._respond(Job(self.worker, req, self.model_name, COMPLETION.id_prefix),
+        return await self._respond(Job(self.worker, req, self.model_name, COMPLETION.id_prefix, http),
                                    COMPLETION, body, http)
 
     async def chat_completions(self, body: ChatBody, http: HTTPRequest):
@@ -373,7 +290,7 @@ class OpenAIServer:
         text = self._chat_prompt(body.messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         req = self._new_request(text, self.llm.get_tokenizer().encode(text), body, max_tokens, "messages")
-        return await self._respond(Job(self.worker, req, self.model_name, CHAT.id_prefix), CHAT, body, http)
+        return await self._respond(Job(self.worker, req, self.model_name, CHAT.id_prefix, http), CHAT, body, http)
 
     # helpers
     def _check(self, body: _RequestBody) -> None:
@@ -381,6 +298,7 @@ class OpenAIServer:
             raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
                                 f"`{self.model_name}`", param="model", code="model_not_found")
         body.check_supported()
+        body.check_stop()
 
     def _completion_prompt(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -431,18 +349,62 @@ class OpenAIServer:
 
     async def _respond(self, job: Job, shape: _Shape, body: _RequestBody, http: HTTPRequest):
         if body.stream:
-            return StreamingResponse(_event_stream(job, shape, body.include_usage), media_type="text/event-stream")
+            return StreamingResponse(_event_stream(job, shape, body.include_usage),
+                                     media_type="text/event-stream")
         try:
-            text = await job.text(http)
+            text = await job.text()
         except EngineFailure as e:
-            raise APIError(500, str(e), type="server_error") from e
+            raise _engine_error(e) from e
         return {**job.head(shape.object), "choices": [shape.choice(text, job.finish_reason)], "usage": job.usage()}
 
 
-def build_app(llm, served_model_name: str = "smollm2") -> FastAPI:
+class _Guard:
+    """ASGI middleware before the endpoints: the API key on /v1/*, then the body size limit.
+    Plain ASGI, not @app.middleware, whose wrapper would stand between a stream and its client."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.authorization = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.authorization is not None and scope["path"].startswith("/v1/") and \
+                not hmac.compare_digest(headers.get(b"authorization", b""), self.authorization):
+            error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                             code="invalid_api_key")
+            return await error.response()(scope, receive, send)
+        # read the whole body here (at most the limit, whether Content-Length says or the chunks
+        # do), so that no handler holds more; then hand the messages on unchanged
+        too_big = APIError(413, f"the request body is larger than {self.max_body_bytes} bytes")
+        if int(headers.get(b"content-length", 0)) > self.max_body_bytes:
+            return await too_big.response()(scope, receive, send)
+        messages, size = [], 0
+        while not messages or messages[-1].get("more_body"):
+            messages.append(await receive())
+            if messages[-1]["type"] != "http.request":      # the client left
+                break
+            size += len(messages[-1].get("body", b""))
+            if size > self.max_body_bytes:
+                return await too_big.response()(scope, receive, send)
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+
+def build_app(llm, served_model_name: str = "smollm2", api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES, max_waiting: int = 256,
+              stall_timeout_s: float = 60.0) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops the engine thread. app.state.server is the
-    OpenAIServer, for in-process access to its worker."""
-    server = OpenAIServer(llm, served_model_name)
+    OpenAIServer, for in-process access to its worker.
+
+    api_key: /v1/* wants `Authorization: Bearer <api_key>` (None: open). max_waiting: requests
+    with no output yet beyond which new ones get a 429. stall_timeout_s: /health answers 503
+    when the engine thread has made no progress for this long although work is queued."""
+    server = OpenAIServer(llm, served_model_name, max_waiting, stall_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -452,21 +414,23 @@ def build_app(llm, served_model_name: str = "smollm2") -> FastAPI:
 
     app = FastAPI(title="minillm", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
     for kind in (APIError, RequestValidationError, StarletteHTTPException):
         app.add_exception_handler(kind, _error_response)
     app.get("/v1/models")(server.models)
     app.get("/health")(server.health)
+    app.get("/metrics")(server.metrics)
     app.get("/debug/engine")(server.debug_engine)
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat_completions)
     return app
 
 
-def serve(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str = "smollm2") -> None:
-    """Serve in the foreground until Ctrl-C (python -m minillm serve)."""
+def serve(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str = "smollm2", **options) -> None:
+    """Serve in the foreground until Ctrl-C (python -m minillm serve); options go to build_app."""
     import uvicorn
 
-    uvicorn.run(build_app(llm, served_model_name), host=host, port=port, log_level="info",
+    uvicorn.run(build_app(llm, served_model_name, **options), host=host, port=port, log_level="info",
                 timeout_graceful_shutdown=5)             # then open streams are cut and their requests aborted
 
 

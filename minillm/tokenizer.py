@@ -9,6 +9,9 @@ template. The `tokenizers` library runs the BPE; what we add is the recipe:
 """
 from __future__ import annotations
 
+import json
+from datetime import datetime
+
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 CONTROL = 3  # llama.cpp token type for control tokens
@@ -41,13 +44,32 @@ class ChatTokenizer:
         if not self.chat_template:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         _check_messages(messages)
-        import jinja2
-
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(self.chat_template)
+        template = _compile_chat_template(self.chat_template)
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=self.decode([self.bos_token_id], False) if self.bos_token_id is not None else "",
                                eos_token=self.decode([self.eos_token_id], False))
+
+
+def _compile_chat_template(source: str):
+    """The template comes from the model file, i.e. untrusted input: render it in jinja2's sandbox
+    (no dunder attributes, no mutation of the passed objects) with the helpers transformers'
+    apply_chat_template gives templates (raise_exception, strftime_now, tojson without HTML
+    escaping, {% break %} / {% continue %}), so the same templates render the same."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
 
 
 def _check_messages(messages) -> None:

@@ -48,7 +48,7 @@ FOOTNOTE_DEF = re.compile(r"^\s*\[\^([\w.-]+)\]:\s*(.*)$")
 CITATION = re.compile(r"https?://|arXiv|\b(?:paper|README|datasheet|Table|Section|Figure|Fig\.|§|blog|docs|"
                       r"documentation|spec|whitepaper|release notes)\b", re.I)
 # Integers that are names, not results: SmolLM2-135M's shapes, round sizes, HTTP status codes, ports.
-PLAIN_CONSTANTS = {576, 1536, 49152, 3072, 1000, 10000, 100000, 200, 400, 404, 422, 429, 500, 503, 8000, 8080}
+PLAIN_CONSTANTS = {576, 1536, 49152, 3072, 1000, 10000, 100000, 200, 400, 401, 403, 404, 413, 422, 429, 500, 503, 8000, 8080}
 # Definitions and the machine's description, not results: a multiply-add is 2 FLOPs; the VMs have 24 GiB.
 PLAIN_PHRASES = {"2 FLOPs", "24 GiB"}
 
