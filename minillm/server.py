@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine_worker import Delta, EngineFailure, EngineWorker, QueueFull, _Sink
@@ -106,6 +106,29 @@ class _RequestBody(BaseModel):
     stream_options: dict[str, Any] | None = None
     top_k: int | None = None
     ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        """JSON may escape a lone UTF-16 surrogate ("\\ud800"): valid JSON, but no text can hold
+        it (the tokenizer and every response that echoes it would fail with a 500)."""
+        def strings(value):
+            if isinstance(value, str):
+                yield value
+            elif isinstance(value, dict):
+                for key, item in value.items():
+                    yield from (*strings(key), *strings(item))
+            elif isinstance(value, list):
+                for item in value:
+                    yield from strings(item)
+
+        for text in strings(data):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a string in the body is not valid Unicode (a lone surrogate such as "
+                                 "\\ud800)") from None
+        return data
 
     def check_supported(self) -> None:
         for name, harmless in UNSUPPORTED_FIELDS.items():
