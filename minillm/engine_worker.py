@@ -108,7 +108,6 @@ class EngineWorker:
         # request_ids submitted that have no output yet; handlers add, the engine thread removes
         self._not_started: set[str] = set()
         self._lock = threading.Lock()
-        self.counters = {"num_finished": 0, "num_aborted": 0, "num_failed": 0}
         self.metrics = _Metrics()
         self.stats = self._snapshot()
         self.idle = True                          # blocked on an empty inbox: no progress is due
@@ -179,7 +178,7 @@ class EngineWorker:
             if not client_error:
                 log.exception("engine.add_request failed")
             self._started(req.request_id)
-            self._count_failed(1)
+            self.metrics.finished.labels("error").inc()
             sink.push(Delta("", None, 0, error=f"the engine refused the request: {e}", client_error=client_error))
             return
         self.sinks[req.request_id] = sink
@@ -188,17 +187,12 @@ class EngineWorker:
         with self._lock:
             self._not_started.discard(request_id)
 
-    def _count_failed(self, n: int) -> None:
-        self.counters["num_failed"] += n
-        self.metrics.finished.labels("error").inc(n)
-
     def _abort(self, request_id: str) -> None:
         sink = self.sinks.pop(request_id, None)
         if sink is None:                          # it finished before the abort arrived
             return
         self._started(request_id)
         self.engine.abort_request(request_id)
-        self.counters["num_aborted"] += 1
         self.metrics.finished.labels("abort").inc()
         sink.push(Delta("", "abort", 0))
 
@@ -211,7 +205,7 @@ class EngineWorker:
                 self.engine.abort_request(request_id)
                 self._started(request_id)
                 sink.push(Delta("", None, 0, error=f"engine step failed: {e}"))
-            self._count_failed(len(self.sinks))
+            self.metrics.finished.labels("error").inc(len(self.sinks))
             self.sinks.clear()
             return
         self.metrics.preemptions.inc(self.engine.step_log[-1]["num_preempted"])
@@ -224,7 +218,6 @@ class EngineWorker:
             sink.push(Delta(text, req.finish_reason, len(req.output_token_ids)))
             if req.finished:
                 del self.sinks[req.request_id]
-                self.counters["num_finished"] += 1
                 self.metrics.finished.labels(req.finish_reason).inc()
                 if req.metrics.time_per_output_token is not None:
                     self.metrics.tpot.observe(req.metrics.time_per_output_token)
@@ -237,5 +230,8 @@ class EngineWorker:
         m.kv_free.set(bm.num_free_blocks)
         m.kv_used.set(bm.num_blocks - bm.num_free_blocks)
         m.kv_usage.set(1 - bm.num_free_blocks / bm.num_blocks)
-        return {"num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
-                "num_requests": len(self.sinks), **self.counters}
+        finished = {reason: m.registry.get_sample_value("vllm:request_success_total", {"finished_reason": reason})
+                    for reason in ("stop", "length", "abort", "error")}
+        return {"num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks, "num_requests": len(self.sinks),
+                "num_finished": int(finished["stop"] + finished["length"]), "num_aborted": int(finished["abort"]),
+                "num_failed": int(finished["error"])}

@@ -46,9 +46,7 @@ def _record(model: Llama, tokens: torch.Tensor) -> tuple[list[dict[str, torch.Te
     return seen, logits
 
 
-def activation_ranges(model: Llama, tokens: torch.Tensor) -> list[LayerRange]:
-    """Per-layer extremes of a float32 forward of `tokens` (B, T)."""
-    seen, _ = _record(model, tokens)
+def _ranges(seen: list[dict[str, torch.Tensor]]) -> list[LayerRange]:
     rows = []
     for i, acts in enumerate(seen):
         both = torch.cat([acts["residual"].flatten(), acts["ffn_hidden"].flatten()]).abs()
@@ -56,6 +54,11 @@ def activation_ranges(model: Llama, tokens: torch.Tensor) -> list[LayerRange]:
         rows.append(LayerRange(i, acts["residual"].abs().max().item(), acts["ffn_hidden"].abs().max().item(),
                                (nonzero < FP16.smallest_normal).float().mean().item()))
     return rows
+
+
+def activation_ranges(model: Llama, tokens: torch.Tensor) -> list[LayerRange]:
+    """Per-layer extremes of a float32 forward of `tokens` (B, T)."""
+    return _ranges(_record(model, tokens)[0])
 
 
 @dataclass
@@ -76,28 +79,35 @@ def perplexity_of(logits: torch.Tensor, tokens: torch.Tensor) -> float:
     return nll.exp().item()
 
 
+def _run(name: str, model: Llama, tokens: torch.Tensor, reference) -> DtypeRun:
+    """`model` (float32) run in dtype `name`, against the float32 forward `reference`."""
+    ref_acts, ref_logits = reference
+    acts, logits = reference if name == "float32" else _record(copy.deepcopy(model).to(getattr(torch, name)), tokens)
+    nonfinite = int((~torch.isfinite(logits)).sum())
+    zeros = 0
+    for ref, got in zip(ref_acts, acts):
+        for key in ("residual", "ffn_hidden"):
+            nonfinite += int((~torch.isfinite(got[key])).sum())
+            zeros += int(((ref[key] != 0) & (got[key] == 0)).sum())
+    err = (logits - ref_logits).abs()
+    finite = torch.isfinite(err)
+    return DtypeRun(name, nonfinite, zeros,
+                    err[finite].max().item() if finite.any() else float("inf"),
+                    (err[finite].mean() / ref_logits.abs().mean()).item() if finite.any() else float("inf"),
+                    (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(),
+                    perplexity_of(logits, tokens))
+
+
+def measure(model: Llama, tokens: torch.Tensor, dtypes=("float32", "bfloat16", "float16")):
+    """One float32 forward of `tokens` (B, T) gives the per-layer ranges and the reference that a
+    copy of the model in each dtype is compared with: (list[LayerRange], list[DtypeRun])."""
+    reference = _record(model, tokens)
+    return _ranges(reference[0]), [_run(name, model, tokens, reference) for name in dtypes]
+
+
 def compare_dtypes(model: Llama, tokens: torch.Tensor, dtypes=("float32", "bfloat16", "float16")) -> list[DtypeRun]:
     """Run a float32 model's copy in each dtype on `tokens` (B, T); compare with float32."""
-    ref_acts, ref_logits = _record(model, tokens)
-    ref_top = ref_logits.argmax(-1)
-    runs = []
-    for name in dtypes:
-        low = model if name == "float32" else copy.deepcopy(model).to(getattr(torch, name))
-        acts, logits = (ref_acts, ref_logits) if name == "float32" else _record(low, tokens)
-        nonfinite = int((~torch.isfinite(logits)).sum())
-        zeros = 0
-        for ref, got in zip(ref_acts, acts):
-            for key in ("residual", "ffn_hidden"):
-                nonfinite += int((~torch.isfinite(got[key])).sum())
-                zeros += int(((ref[key] != 0) & (got[key] == 0)).sum())
-        err = (logits - ref_logits).abs()
-        finite = torch.isfinite(err)
-        runs.append(DtypeRun(name, nonfinite, zeros,
-                             err[finite].max().item() if finite.any() else float("inf"),
-                             (err[finite].mean() / ref_logits.abs().mean()).item() if finite.any() else float("inf"),
-                             (logits.argmax(-1) == ref_top).float().mean().item(),
-                             perplexity_of(logits, tokens)))
-    return runs
+    return measure(model, tokens, dtypes)[1]
 
 
 def overflow_scale(ranges: list[LayerRange]) -> float:

@@ -9,6 +9,7 @@ template. The `tokenizers` library runs the BPE; what we add is the recipe:
 """
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 
@@ -50,6 +51,7 @@ class ChatTokenizer:
                                eos_token=self.decode([self.eos_token_id], False))
 
 
+@functools.lru_cache(maxsize=8)          # compiled once per template, not once per chat request
 def _compile_chat_template(source: str):
     """The template comes from the model file, i.e. untrusted input: render it in jinja2's sandbox
     (no dunder attributes, no mutation of the passed objects) with the helpers transformers'

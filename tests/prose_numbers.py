@@ -202,24 +202,35 @@ def unit_after(text: str, end: int) -> str:
     return ""
 
 
-def figures(text: str, line_of) -> list[Figure]:
+VERSIONISH = re.compile(r"(?:(?i:torch|pytorch|triton|python|transformers|cuda|version)|Llama|LLaMA|Llama-|FA|"
+                        r"FlashAttention-?|Section|section|§|Table|table|Figure|Fig\.|Eq\.|eq\.|step|Step|issue|"
+                        r"Issue|item|Item|lesson|Lesson|stop|PEP|sm_|compute capability|llama\.cpp b|arXiv:?)\s*$")
+
+
+@dataclass
+class _Number:
+    start: int
+    end: int
+    tok: str
+    value: float
+    decimals: int
+    unit: str
+    approx: bool
+    is_figure: bool = False
+
+
+def _numbers(text: str) -> list[_Number]:
+    """Every number token in the prose that is not part of a name, a version or a tolerance."""
     found = []
     for m in NUMBER.finditer(text):
         s, e, tok = m.start(), m.end(), m.group(0)
-        sign = tok[0] in "-+−"
-        if sign:
-            before = text[s - 1] if s else " "
-            if before not in " (|[/\t" or (s == 0 and False):
-                # a hyphen between two numbers is a range, not a minus sign
-                s, tok = s + 1, tok[1:]
-                sign = False
+        if tok[0] in "-+−" and s and text[s - 1] not in " (|[/\t":
+            s, tok = s + 1, tok[1:]                             # "3.6-26": a range, not a minus sign
         left = text[s - 1] if s else " "
         if left.isalnum() or left in "_.^#$\\":
             continue
-        if left in "-–" and s >= 2 and text[s - 2].isalpha():
-            continue                                            # AVX-512, Llama-2
-        if left == "/" and s >= 2 and text[s - 2].isalpha():
-            continue                                            # a path or a name like w/2
+        if left in "-–/" and s >= 2 and text[s - 2].isalpha():
+            continue                                            # AVX-512, Llama-2, w/2
         if re.fullmatch(r"[-+−]?1[eE][-+]?\d+", tok):
             continue                                            # 1e-3: a tolerance or a unit, not a result
         unit = unit_after(text, e)
@@ -229,39 +240,28 @@ def figures(text: str, line_of) -> list[Figure]:
         if right == "." and text[e + 1:e + 2].isdigit():
             continue                                            # 1.2.3 version strings
         clean = tok.replace(",", "").replace("−", "-")
-        try:
-            value = float(clean)
-        except ValueError:
-            continue
         mantissa, _, exponent = clean.lower().partition("e")
         decimals = (len(mantissa.split(".")[1]) if "." in mantissa else 0) - int(exponent or 0)
         approx = bool(APPROX.search(text[max(0, s - 9):s]))
-        found.append((s, e, tok, value, decimals, unit, approx))
+        found.append(_Number(s, e, tok, float(clean), decimals, unit, approx))
+    return found
 
-    figs = []
-    is_fig = []
-    for s, e, tok, value, decimals, unit, approx in found:
-        as_int = abs(value) if decimals == 0 else None
-        big = (as_int is not None and as_int >= 100 and not _power_of_two(as_int)
-               and not 1900 <= as_int <= 2099 and as_int not in PLAIN_CONSTANTS)
-        versionish = re.search(r"(?:(?i:torch|pytorch|triton|python|transformers|cuda|version)|Llama|LLaMA|"
-                               r"Llama-|FA|FlashAttention-?|Section|section|§|Table|table|Figure|Fig\.|Eq\.|eq\.|"
-                               r"step|Step|issue|Issue|item|Item|lesson|Lesson|stop|PEP|sm_|compute capability|"
-                               r"llama\.cpp b|arXiv:?)\s*$", text[max(0, s - 22):s])
-        fig = (decimals > 0 or "e" in tok.lower() or bool(unit) or big) and not versionish and f"{tok} {unit}" not in PLAIN_PHRASES
-        is_fig.append(fig)
+
+def figures(text: str, line_of) -> list[Figure]:
+    numbers = _numbers(text)
+    for n in numbers:
+        big = (n.decimals == 0 and abs(n.value) >= 100 and not _power_of_two(abs(n.value))
+               and not 1900 <= abs(n.value) <= 2099 and abs(n.value) not in PLAIN_CONSTANTS)
+        n.is_figure = ((n.decimals > 0 or "e" in n.tok.lower() or bool(n.unit) or big)
+                       and not VERSIONISH.search(text[max(0, n.start - 22):n.start])
+                       and f"{n.tok} {n.unit}" not in PLAIN_PHRASES)
     # a unit written once for several numbers: "16.7 / 18.5 / 37 tok/s", "235 vs 230 tok/s", "8-64 MB"
-    for i in range(len(found) - 2, -1, -1):
-        if not found[i][5] and is_fig[i + 1] and found[i + 1][5]:
-            between = text[found[i][1]:found[i + 1][0]]
-            if CONNECTOR.match(between):
-                is_fig[i] = True
-                found[i] = found[i][:5] + (found[i + 1][5],) + found[i][6:]
-    for (s, e, tok, value, decimals, unit, approx), fig in zip(found, is_fig):
-        if fig:
-            shown = tok + (unit if unit in ("%", "x", "×") else (" " + unit if unit else ""))
-            figs.append(Figure(shown, value, decimals, approx, line_of(s), s))
-    return figs
+    for n, after in reversed(list(zip(numbers, numbers[1:]))):
+        if not n.unit and after.is_figure and after.unit and CONNECTOR.match(text[n.end:after.start]):
+            n.is_figure, n.unit = True, after.unit
+    return [Figure(n.tok + (n.unit if n.unit in ("%", "x", "×") else (" " + n.unit if n.unit else "")),
+                   n.value, n.decimals, n.approx, line_of(n.start), n.start)
+            for n in numbers if n.is_figure]
 
 
 def _power_of_two(n: float) -> bool:

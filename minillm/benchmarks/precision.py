@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..evaluate import evaluation_text, token_windows
-from ..precision import BF16, FP16, activation_ranges, compare_dtypes, overflow_scale
+from ..precision import BF16, FP16, measure, overflow_scale
 from .common import document, quick_mode
 
 NAME = "precision"
@@ -24,8 +24,7 @@ def run(quick: bool) -> dict:
     llm = LLM(model="smollm2", dtype="float32", device="cpu")
     ids = llm.get_tokenizer().encode(evaluation_text())
     tokens = torch.tensor(token_windows(ids, window, windows))           # (windows, window)
-    ranges = activation_ranges(llm.model, tokens)
-    runs = compare_dtypes(llm.model, tokens)
+    ranges, runs = measure(llm.model, tokens)
     results = [{"part": "layer", **vars(r)} for r in ranges] + [{"part": "dtype", **vars(r)} for r in runs]
     by = {r.dtype: r for r in runs}
     summary = {
