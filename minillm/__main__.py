@@ -1,4 +1,7 @@
-"""Command line: python -m minillm {generate, bench, demo, serve} ...  (`--help` on each)."""
+"""Command line: python -m minillm {generate, bench, demo, serve, lab} ...  (`--help` on each).
+
+Each subcommand imports what it needs when it runs: `lab list` imports neither torch nor the engine.
+"""
 from __future__ import annotations
 
 import argparse
@@ -56,7 +59,9 @@ def _serve(args) -> None:
               kv_cache_dtype=args.kv_cache_dtype)
     name = args.served_model_name or args.model
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI-compatible)", flush=True)
-    serve(llm, host=args.host, port=args.port, served_model_name=name, api_key=args.api_key)
+    limits = {key: getattr(args, key) for key in ("max_waiting", "max_body_bytes", "stall_timeout_s")
+              if getattr(args, key) is not None}          # None: build_app's default
+    serve(llm, host=args.host, port=args.port, served_model_name=name, api_key=args.api_key, **limits)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,10 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or os.environ.get("MINILLM_API_KEY"),
                    help="/v1/* wants 'Authorization: Bearer KEY' (default: $VLLM_API_KEY, as vLLM, "
                         "or $MINILLM_API_KEY; none: open)")
+    s.add_argument("--max-waiting", type=int, default=None,
+                   help="requests without a first token beyond which new ones get 429 (default 256)")
+    s.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 (default 1 MiB)")
+    s.add_argument("--stall-timeout-s", type=float, default=None,
+                   help="/health answers 503 after this long without an engine step while requests wait "
+                        "(keep it above the longest step: one prefill of --max-num-batched-tokens; default 60)")
     s.set_defaults(func=_serve)
 
     from .labs import add_lab_parser
-    add_lab_parser(sub)                     # lab {list, make, grade}: minillm/labs.py
+    add_lab_parser(sub)                     # lab {list, make, grade}: minillm/labs/
     return parser
 
 

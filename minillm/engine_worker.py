@@ -67,6 +67,12 @@ class _Metrics:
         self.registry = r = CollectorRegistry()
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        # what --max-waiting limits: also counts requests still in the inbox and those mid-prefill
+        self.without_output = Gauge("minillm:num_requests_without_output",
+                                    "Accepted requests with no output token yet (the 429 limit applies to these)",
+                                    registry=r)
+        self.rejected = Counter("minillm:requests_rejected", "Requests refused with 429: the queue was full",
+                                registry=r)
         self.finished = Counter("vllm:request_success", "Finished requests by finish reason",
                                 ["finished_reason"], registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = 100%)", registry=r)
@@ -123,15 +129,18 @@ class EngineWorker:
         self.thread.join()
 
     @property
-    def num_waiting(self) -> int:
+    def num_without_output(self) -> int:
         return len(self._not_started)
 
     def submit(self, req: Request, sink: _Sink) -> None:
         """Queue a request; QueueFull when max_waiting requests already wait for their first token."""
         with self._lock:                          # handlers of one loop, but check-then-add must be atomic
             if len(self._not_started) >= self.max_waiting:
-                raise QueueFull(f"{len(self._not_started)} requests are already waiting; try again later")
+                self.metrics.rejected.inc()
+                raise QueueFull(f"{len(self._not_started)} requests are waiting for their first token "
+                                f"(the server's limit, --max-waiting, is {self.max_waiting}); try again later")
             self._not_started.add(req.request_id)
+            self.metrics.without_output.set(len(self._not_started))
         self.inbox.put(("add", req, sink))
 
     def abort(self, request_id: str) -> None:
@@ -186,6 +195,7 @@ class EngineWorker:
     def _started(self, request_id: str) -> None:
         with self._lock:
             self._not_started.discard(request_id)
+            self.metrics.without_output.set(len(self._not_started))
 
     def _abort(self, request_id: str) -> None:
         sink = self.sinks.pop(request_id, None)

@@ -48,8 +48,8 @@ class SamplingParams:
             bad("top_k", "-1 (disabled) or an integer >= 1")
         if not integer(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "an integer >= 1")
-        if self.seed is not None and not integer(self.seed):
-            bad("seed", "None or an integer")
+        if self.seed is not None and not (integer(self.seed) and -2**63 <= self.seed < 2**64):
+            bad("seed", "None or an integer in [-2**63, 2**64) (what torch.Generator takes)")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "a non-empty string or a list of non-empty strings")
         for name in ("logprobs", "prompt_logprobs"):

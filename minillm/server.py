@@ -427,6 +427,12 @@ def build_app(llm, served_model_name: str = "smollm2", api_key: str | None = Non
     api_key: /v1/* wants `Authorization: Bearer <api_key>` (None: open). max_waiting: requests
     with no output yet beyond which new ones get a 429. stall_timeout_s: /health answers 503
     when the engine thread has made no progress for this long although work is queued."""
+    for name, value, allowed in (("max_waiting", max_waiting, "an integer >= 1"),
+                                 ("max_body_bytes", max_body_bytes, "an integer >= 1"),
+                                 ("stall_timeout_s", stall_timeout_s, "a number of seconds > 0")):
+        integer = isinstance(value, int) and not isinstance(value, bool)
+        if not ((integer or name == "stall_timeout_s" and isinstance(value, float)) and value > 0):
+            raise ValueError(f"{name} = {value!r} is invalid; allowed: {allowed}")
     server = OpenAIServer(llm, served_model_name, max_waiting, stall_timeout_s)
 
     @contextlib.asynccontextmanager

@@ -32,6 +32,17 @@ def test_top_k_keeps_only_k_tokens():
     assert torch.allclose(probs[:2], LOGITS[:2].softmax(-1)) and probs[2:].sum() == 0
 
 
+def test_top_k_beyond_the_vocabulary_keeps_every_token():
+    for top_k in (LOGITS.numel(), 10**30):          # as vLLM: a k past the vocabulary filters nothing
+        probs = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_k=top_k))
+        assert torch.allclose(probs, LOGITS.softmax(-1))
+
+
+def test_seeds_at_the_ends_of_the_range_are_usable():
+    for seed in (-2**63, 2**64 - 1):
+        assert _seeded_draws(seed, n=5) == _seeded_draws(seed, n=5)
+
+
 def test_top_p_keeps_smallest_set_reaching_p():
     full = LOGITS.softmax(-1)                       # 0.54, 0.20, 0.12, ...
     probs = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_p=0.7))
@@ -56,7 +67,8 @@ def test_seed_reproducible_and_different_seeds_differ():
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"),
-    (dict(seed=1.5), "seed"), (dict(stop=[""]), "stop"), (dict(logprobs=-1), "logprobs"),
+    (dict(seed=1.5), "seed"), (dict(seed=2**64), "seed"), (dict(seed=-2**63 - 1), "seed"),
+    (dict(stop=[""]), "stop"), (dict(logprobs=-1), "logprobs"),
     (dict(prompt_logprobs=-1), "prompt_logprobs"),
 ])
 def test_bad_params_name_the_argument(kwargs, field):

@@ -177,6 +177,28 @@ def test_serve_takes_the_api_key_from_the_flag_or_the_environment(monkeypatch):
     assert build_parser().parse_args(["serve", "--api-key", "k1"]).api_key == "k1"
 
 
+def test_serve_passes_its_limit_flags_to_the_app(monkeypatch):
+    import minillm
+    import minillm.server
+    from minillm.__main__ import main
+
+    seen = {}
+    monkeypatch.setattr(minillm, "LLM", lambda **kwargs: SimpleNamespace(**kwargs))
+    monkeypatch.setattr(minillm.server, "serve", lambda llm, **options: seen.update(options))
+    main(["serve", "--max-waiting", "8", "--max-body-bytes", "4096", "--stall-timeout-s", "2.5"])
+    assert (seen["max_waiting"], seen["max_body_bytes"], seen["stall_timeout_s"]) == (8, 4096, 2.5)
+    seen.clear()
+    main(["serve"])                                              # unset: build_app's defaults
+    assert not {"max_waiting", "max_body_bytes", "stall_timeout_s"} & set(seen)
+
+
+@pytest.mark.parametrize("option, value", [("max_waiting", 0), ("max_body_bytes", -1), ("max_waiting", 2.5),
+                                           ("stall_timeout_s", 0.0), ("stall_timeout_s", float("nan"))])
+def test_bad_limits_are_refused_when_the_app_is_built(option, value):
+    with pytest.raises(ValueError, match=rf"{option} = .* allowed"):
+        build_app(None, **{option: value})
+
+
 # ---- 4. limits ---------------------------------------------------------------------------------
 
 LIMITS = [   # (id, path, body, status, param)
@@ -187,6 +209,7 @@ LIMITS = [   # (id, path, body, status, param)
     ("n-2", "completions", {"n": 2}, 400, "n"),
     ("max-tokens-past-context", "completions", {"max_tokens": 300}, 400, "prompt"),
     ("negative-max-tokens", "completions", {"max_tokens": -1}, 400, None),
+    ("seed-past-64-bits", "completions", {"seed": 10**30, "temperature": 1.0}, 400, None),
 ]
 
 
@@ -225,10 +248,12 @@ def test_full_waiting_queue_answers_429(llm, monkeypatch):
     with serving(llm, max_waiting=2) as s, stalled(llm, monkeypatch) as release, ThreadPoolExecutor(2) as pool:
         queued = [pool.submit(post, s.url) for _ in range(2)]
         deadline = time.monotonic() + 5
-        while s.worker.num_waiting < 2 and time.monotonic() < deadline:
+        while s.worker.num_without_output < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         error = assert_openai_error(post(s.url), 429)
-        assert "waiting" in error["message"]
+        assert "waiting" in error["message"] and "--max-waiting" in error["message"]
+        m = metrics(s.url)           # the gauge the limit applies to, not vllm's scheduler-waiting gauge
+        assert m["minillm:num_requests_without_output"] == 2 and m["minillm:requests_rejected_total"] == 1
         release.set()
         assert [f.result(timeout=30).status_code for f in queued] == [200, 200]
         assert post(s.url).status_code == 200

@@ -14,6 +14,12 @@ requests the engine ran per step during that rate (how much batching the load bo
 
 Client threads and the server share this process and its cores; the numbers include that
 overhead, as a real deployment's would include its network stack.
+
+Then the server under faults (summary["faults"]): one burst of hostile_traffic.py's mixed traffic
+(openai-client requests of which a third hang up, malformed and hypothesis-generated bodies,
+odd-but-valid ones) against a second server with a short context and a tight KV pool; counted:
+requests served, hang-ups, 429s, bad inputs and how they were answered, 5xx answers to client
+errors, engine failures, and after the burst what is still running, waiting or holding KV blocks.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from . import hostile_traffic
 from .batching import percentiles
 from .common import document
 
@@ -106,6 +113,47 @@ def plot(rows: list[dict]):
     return fig
 
 
+def fault_run(num_load: int, num_generated: int, seed: int = 0) -> dict:
+    """One burst of mixed hostile traffic against a fresh server; the counts before and after."""
+    import httpx
+    import openai
+
+    from .. import LLM
+    from ..server import ServerThread, build_app
+
+    llm = LLM(model="smollm2", device="auto", **hostile_traffic.server_llm_args())
+    with ServerThread(build_app(llm, served_model_name=hostile_traffic.MODEL)) as server:
+        start = time.perf_counter()
+        outcomes = hostile_traffic.burst(server.base_url, num_load, num_generated, seed)
+        seconds = time.perf_counter() - start
+        after = hostile_traffic.drained_metrics(server.url, timeout_s=30.0)
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+        same, served = hostile_traffic.same_as_alone(client, outcomes)
+        health = httpx.get(f"{server.url}/health").status_code
+
+    def count(kind, test):
+        return sum(o.kind == kind and test(o.result) for o in outcomes)
+
+    raw_kinds = ("bad", "odd")
+    return {
+        "load_requests": num_load, "served": served, "served_same_text_as_alone": same,
+        "hung_up": count("load", lambda r: r[0] == "hung_up"),
+        "rejected_429": count("load", lambda r: r[0] == "rejected"),
+        "bad_inputs": sum(o.kind == "bad" for o in outcomes),
+        "bad_inputs_answered_4xx": count("bad", lambda r: hostile_traffic.is_openai_error(*r)),
+        "odd_valid_inputs": sum(o.kind == "odd" for o in outcomes),
+        "odd_valid_answered_200": count("odd", lambda r: hostile_traffic.is_well_formed_completion(*r)),
+        "client_inputs_answered_5xx": sum(count(kind, lambda r: r[0] >= 500) for kind in raw_kinds),
+        "engine_failures": int(after["vllm:request_success_total{finished_reason=error}"]),
+        "aborted": int(after["vllm:request_success_total{finished_reason=abort}"]),
+        "preemptions": int(after["vllm:num_preemptions_total"]),
+        "running_after": int(after["vllm:num_requests_running"]),
+        "waiting_after": int(after["vllm:num_requests_waiting"]),
+        "leaked_kv_blocks": int(after["minillm:kv_blocks_used"]), "num_kv_blocks": hostile_traffic.NUM_KV_BLOCKS,
+        "health_after": health, "burst_seconds": seconds,
+    }
+
+
 def run(quick: bool) -> dict:
     from .. import LLM
     from ..server import ServerThread, build_app
@@ -134,8 +182,14 @@ def run(quick: bool) -> dict:
     keys = ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "mean_running_requests")
     summary = {key: {str(r["rate_req_s"]): r[key] for r in results} for key in keys}      # per rate
     summary["max_output_tok_s"] = max(r["output_tok_s"] for r in results)
+    num_load, num_generated = (16, 10) if quick else (256, 100)
+    summary["faults"] = fault_run(num_load, num_generated)
     config = {"model": "smollm2", "dtype": "float32", "device": str(llm.device), "rates_req_s": rates,
               "num_requests_per_rate": num_requests, "max_tokens": max_tokens, "ignore_eos": True,
               "temperature": 0, "client": "openai (sync), one thread per request, streamed, in-process, loopback",
-              "plot": path}
+              "plot": path,
+              "faults": {"load_requests": num_load, "generated_bad_bodies": num_generated,
+                         "hand_written_bad_bodies": len(hostile_traffic.MALFORMED), "seed": 0,
+                         "server": hostile_traffic.server_llm_args(), "max_tokens_served": hostile_traffic.MAX_TOKENS,
+                         "max_tokens_hang_ups": hostile_traffic.HANGUP_MAX_TOKENS}}
     return document(NAME, config, results, summary)
