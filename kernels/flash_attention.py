@@ -19,18 +19,11 @@ Details worth knowing:
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from minillm.flash_attention import check_attention_inputs
-
-# triton chose at import time whether @triton.jit compiles (GPU) or interprets (CPU, numpy)
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-MAX_HEAD_DIM = 256
-LOG2E = 1.4426950408889634
+from minillm.kernel_args import INTERPRETED, LOG2E, MAX_HEAD_DIM, check_attention_inputs, check_kernel_device
 
 
 @triton.jit
@@ -165,10 +158,7 @@ def triton_flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     Hkv, Tk = k.shape[1], k.shape[2]
     if D > MAX_HEAD_DIM:
         raise ValueError(f"head dim D must be <= {MAX_HEAD_DIM} for the Triton kernel, got {D}")
-    if INTERPRETED and q.device.type != "cpu":
-        raise ValueError(f"TRITON_INTERPRET=1 runs kernels on CPU tensors only, got device {q.device}")
-    if not INTERPRETED and q.device.type != "cuda":
-        raise ValueError(f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 for CPU), got device {q.device}")
+    check_kernel_device(q, k, v)
     block_d = max(16, triton.next_power_of_2(D))                            # tl.dot wants >= 16, powers of two
     config = _default_config(q.device, block_d, q.element_size())
     for name, value in (("block_m", block_m), ("block_n", block_n)):

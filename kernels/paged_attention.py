@@ -1,10 +1,11 @@
 """Paged attention in Triton: store new K/V through the slot mapping, decode over block tables.
 
-Plain-PyTorch twins in minillm/paged.py: store_kv_reference (the store),
+Plain-PyTorch twins in minillm/paged_attention.py: store_kv_reference (the store),
 paged_attention_split (the decode kernel's tiles and split-K merge) and
 paged_attention_reference (the gather-then-softmax definition of right).
 
-Cache layout per layer: k_cache, v_cache (num_blocks, block_size, Hkv, D); see minillm/paged.py.
+Cache layout per layer: k_cache, v_cache (num_blocks, block_size, Hkv, D); see
+minillm/paged_attention.py.
 
 store_kv: grid (T,). Program t copies token t's (Hkv, D) row of K and of V to its slot
 (slot = block * block_size + offset); slot -1 marks padding and is skipped.
@@ -30,19 +31,12 @@ segment of the context:
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from minillm.paged import check_paged_attention_args
-
-# triton chose at import time whether @triton.jit compiles (GPU) or interprets (CPU, numpy)
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-LOG2E = 1.4426950408889634
-MAX_HEAD_DIM = 256
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)              # what the decode kernel's tl.dot takes
+from minillm.kernel_args import (INTERPRETED, KERNEL_DTYPES, LOG2E, MAX_HEAD_DIM, check_kernel_device,
+                                 check_paged_attention_args)
 
 
 @triton.jit
@@ -163,16 +157,6 @@ def _merge_splits(O_part, Lse_part, O,
              mask=offs_d < HEAD_DIM)
 
 
-def _check_device(*tensors: torch.Tensor) -> None:
-    device = tensors[0].device
-    if any(t.device != device for t in tensors):
-        raise ValueError(f"all tensors must be on one device, got {[str(t.device) for t in tensors]}")
-    if INTERPRETED and device.type != "cpu":
-        raise ValueError(f"TRITON_INTERPRET=1 runs kernels on CPU tensors only, got device {device}")
-    if not INTERPRETED and device.type != "cuda":
-        raise ValueError(f"the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU), got {device}")
-
-
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, slots_checked: bool = False) -> None:
     """Write k, v (T, Hkv, D) into k_cache, v_cache (num_blocks, block_size, Hkv, D) at slot_mapping (T,).
@@ -185,7 +169,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError("k_cache and v_cache must have the same shape and strides")
     if tuple(slot_mapping.shape) != (k.shape[0],):
         raise ValueError(f"slot_mapping must be (T={k.shape[0]},), got {tuple(slot_mapping.shape)}")
-    _check_device(k, v, k_cache, v_cache, slot_mapping)
+    check_kernel_device(k, v, k_cache, v_cache, slot_mapping)
     T, Hkv, D = k.shape
     if T == 0:
         return
@@ -208,12 +192,12 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Decode attention over a paged cache. q (B, Hq, D), block_tables (B, max_blocks) int,
     seq_lens (B,) int -> o (B, Hq, D). num_splits > 1 runs the split-K (flash-decoding) variant."""
     check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens)
-    _check_device(q, k_cache, v_cache, block_tables, seq_lens)
+    check_kernel_device(q, k_cache, v_cache, block_tables, seq_lens)
     if not q.dtype == k_cache.dtype == v_cache.dtype:     # tl.dot takes one dtype (an int8 cache is dequantised first)
         raise ValueError(f"dtypes of q, k_cache, v_cache must agree, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if q.dtype not in DTYPES:
+    if q.dtype not in KERNEL_DTYPES:
         raise ValueError(f"dtype {str(q.dtype).removeprefix('torch.')} is not supported; allowed: "
-                         f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)}")
+                         f"{', '.join(str(d).removeprefix('torch.') for d in KERNEL_DTYPES)}")
     B, Hq, D = q.shape
     Hkv, block_size = k_cache.shape[2], k_cache.shape[1]
     if D > MAX_HEAD_DIM:

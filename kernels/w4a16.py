@@ -14,15 +14,11 @@ the interpreted path upcasts to fp32 before the dots (UPCAST); on a GPU the dots
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from minillm.quant.w4a16 import MODES, operands, supports, tile_k  # noqa: F401  (supports: used by QuantLinear)
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from minillm.kernel_args import INTERPRETED, W4A16_MODES, check_kernel_device, w4a16_tile_k
 
 
 @triton.jit
@@ -78,16 +74,13 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zer
                  block_n: int | None = None) -> torch.Tensor:
     """x (M, K) fp32/fp16/bf16, packed uint8 (N, K/2), scale (N, ceil(K/group)), zero (like scale) or None,
     code (16,) float32 for NF4 -> y (M, N) in x.dtype."""
-    if INTERPRETED and x.device.type != "cpu":
-        raise ValueError(f"TRITON_INTERPRET=1 runs kernels on CPU tensors only, got device {x.device}")
-    if not INTERPRETED and x.device.type != "cuda":
-        raise ValueError(f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 for CPU), got device {x.device}")
+    check_kernel_device(*(t for t in (x, packed, scale, zero, code) if t is not None))
     M, K = x.shape
     N = packed.shape[0]
     if packed.shape[1] * 2 != K or K % 2:
         raise ValueError(f"packed has {packed.shape[1]} bytes per row, x has K = {K} columns: need K = 2 * bytes")
-    block_k = tile_k(group)
-    mode = MODES["nf4"] if code is not None else MODES["int-zero"] if zero is not None else MODES["int-sym"]
+    block_k = w4a16_tile_k(group)
+    mode = W4A16_MODES["nf4" if code is not None else "int-zero" if zero is not None else "int-sym"]
     block_m = block_m or (16 if M <= 16 else 64)
     block_n = block_n or (32 if INTERPRETED else 64)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -102,18 +95,3 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zer
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )
     return y
-
-
-def w4a16_linear(x: torch.Tensor, layer) -> torch.Tensor:
-    """QuantLinear forward with the fused kernel: x (..., in) -> (..., out)."""
-    ops = operands(layer)
-    x2 = x.reshape(-1, x.shape[-1])                                  # (M, K)
-    if ops["perm"] is not None:                                      # act-order codes: permute x instead of W
-        x2 = x2[:, ops["perm"].long()]
-    zero = ops["zero"]
-    if zero is not None and zero.stride() != ops["scale"].stride():
-        zero = zero.contiguous()
-    y = w4a16_matmul(x2.contiguous(), ops["packed"], ops["scale"].contiguous(), zero, ops["code"], group=ops["group"])
-    if layer.bias is not None:
-        y = y + layer.bias.to(y.dtype)
-    return y.reshape(*x.shape[:-1], -1)

@@ -1,7 +1,4 @@
-"""Command line: python -m minillm {generate, bench, demo, serve, lab} ...  (`--help` on each).
-
-Each subcommand imports what it needs when it runs: `lab list` imports neither torch nor the engine.
-"""
+"""Command line: python -m minillm {generate, bench, demo, serve, lab} ...  (`--help` on each)."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +6,8 @@ import inspect
 import json
 import os
 import sys
+
+# Each subcommand imports what it needs when it runs: `lab list` imports neither torch nor the engine.
 
 
 def _generate(args) -> None:

@@ -28,8 +28,8 @@ from collections import deque
 
 import torch
 
+from .block_manager import BlockManager
 from .model_runner import GROUP_COST_BLOCKS, KV_CACHE_DTYPES, ModelRunner, PagedKVCache, build_batch
-from .paged import BlockManager
 from .request import Request, RequestStatus
 from .scheduler import Scheduler
 
@@ -135,7 +135,7 @@ class Engine:
         batch = build_batch(runs, wants, bm.block_size, self.kv.k.device, self.decode_group_cost)
         logits = self.runner.forward(batch)                                # (K, V)
         to_sample = set(map(id, self.scheduler.update(plan)))
-        # greedy rows: one argmax over the whole (K, V) block, in fp32 (bf16 argmax is 4x slower here)
+        # greedy rows: one argmax over the whole (K, V) block, in fp32 (bf16 argmax is slower on CPU)
         any_greedy = any(r.params.greedy for r in plan.requests if id(r) in to_sample)
         greedy = logits.float().argmax(-1).tolist() if any_greedy else []
         events, row = [], 0

@@ -9,7 +9,8 @@ is overhead: one kernel launch + Python dispatch per small op, per layer. What t
      and the naive model still runs on the very same numbers;
   2. fewer small ops: RoPE as ONE complex multiply by a precomputed e^{i*angle} table, for q
      and k together (the interleaved (even, odd) pairs are complex numbers; 3 kernels instead
-     of ~18), and RMSNorm as one fused kernel (F.rms_norm) instead of 7 elementwise ones;
+     of ~18; positions.RopeTable, apply_rope_complex), and RMSNorm as one fused kernel
+     (F.rms_norm) instead of 7 elementwise ones;
   3. attention by torch's fused scaled_dot_product_attention over the valid cache prefix
      (GQA without copying K/V: enable_gqa);
   4. the LM head applied to the last position only;
@@ -19,7 +20,7 @@ is overhead: one kernel launch + Python dispatch per small op, per layer. What t
        "compiled"  the GEMV written as what it is, a row-wise dot product (W * x).sum(-1) in
                    fp32, which torch.compile (Inductor) turns into ONE vectorised, threaded
                    loop that reads each weight once. On the CPUs lesson 02 measures, the BLAS
-                   GEMVs stream a 576-wide weight at 11-16 GB/s, this loop at 20-30 GB/s;
+                   GEMVs stream a 576-wide weight more slowly than this loop does;
        "auto"      "compiled" on CPU (falling back to "mv", with a warning, where no C++
                    compiler is found), "mv" on a GPU (cuBLAS's GEMV already streams at speed);
   6. the whole decode step of a layer compiled (`compiled_step=`, CPU): one token through one
@@ -27,7 +28,7 @@ is overhead: one kernel launch + Python dispatch per small op, per layer. What t
      softmax over the cache prefix) that torch.compile turns into ONE generated kernel per layer.
      Every layer has the same shapes and the position becomes a symbolic int, so one compiled
      function serves all 30 layers and every step. What it removes: the ~15 small eager ops per
-     layer (each a Python dispatch + a kernel launch), about half of a step once item 5 is on.
+     layer (each a Python dispatch + a kernel launch), a large share of a step once item 5 is on.
 
 Tested token-identical to the baseline in fp32, for every gemv mode and with the compiled step
 (tests/test_fast_decode.py).
@@ -41,7 +42,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .kv_cache import KVCache
-from .model import Llama
+from .model import Llama, attention_function, check_attention_backend
+from .positions import RopeTable, apply_rope, apply_rope_complex
 
 
 def fuse_projections(model: Llama) -> Llama:
@@ -82,7 +84,7 @@ def is_fused(model: Llama) -> bool:
 def _decode_weights(model: Llama) -> list[tuple[torch.Tensor, ...]] | None:
     """Per layer (attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down) weights, detached (a Parameter
     would pin its shape in the compiled guards); collected once, not per step (30 layers x 10
-    module lookups cost ~1 ms a step). None where a projection has a bias or is not a plain Linear."""
+    module lookups a step add up at batch 1). None where a projection has a bias or is not a plain Linear."""
     weights = []
     for layer in model.layers:
         attn, ffn = layer.attn, layer.ffn
@@ -124,9 +126,9 @@ def _rowwise_dot(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 # Default (automatic) dynamic shapes: compiled for the exact shapes first; a size seen to change
 # is made symbolic in one recompile. Weight shapes never change, so the loops over them keep
-# static trip counts (about 20% faster than dynamic=True's all-symbolic code in bf16 here).
+# static trip counts (faster than dynamic=True's all-symbolic code; lesson 02 has the numbers).
 _compiled_dot = torch.compile(_rowwise_dot)
-_compiler_broken: str | None = None                                       # why compiling is unavailable
+_compiler_broken: str | None = None      # why compiling is unavailable; process-wide: the toolchain is the machine's
 
 
 def _compiler_errors() -> tuple[type[BaseException], ...]:
@@ -200,24 +202,6 @@ def lm_head(model: Llama, h: torch.Tensor, gemv: str = "mv") -> torch.Tensor:
     return model.logits(h)
 
 
-class RopeTable:
-    """RoPE angles for every position up to max_len, computed once, as unit complex numbers:
-    rotation = cos + i sin, (max_len, D/2) complex64."""
-
-    def __init__(self, head_dim: int, theta: float, max_len: int, device):
-        inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
-        angles = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv_freq
-        self.rotation = torch.complex(angles.cos(), angles.sin())
-
-
-def _rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """Rotate each (even, odd) pair of x (..., H, D) by its angle: as complex numbers,
-    (even + i*odd) * (cos + i*sin) = (even*cos - odd*sin) + i*(even*sin + odd*cos).
-    rotation (..., 1, D/2) complex, broadcast over heads. Computed in fp32, returned in x's dtype."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))       # (..., H, D/2)
-    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
-
-
 def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """model.RMSNorm's forward as one fused kernel (same math: x / rms(x) * weight)."""
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
@@ -236,9 +220,8 @@ def decode_layer(h: torch.Tensor, attn_norm: torch.Tensor, wqkv: torch.Tensor, w
     Hq = n_heads
     x = F.rms_norm(h, attn_norm.shape, attn_norm, eps)                    # (dim,)
     qk, v = _rowwise_dot(wqkv, x).split([(Hq + Hkv) * D, Hkv * D])       # ((Hq+Hkv)*D,), (Hkv*D,)
-    even, odd = qk.float().view(Hq + Hkv, D // 2, 2).unbind(-1)           # (Hq+Hkv, D/2) each
     cos, sin = cos_sin.unbind(-1)                                         # (D/2,) each
-    qk = torch.stack([even * cos - odd * sin, even * sin + odd * cos], -1).view(Hq + Hkv, D).to(h.dtype)
+    qk = apply_rope(qk.view(Hq + Hkv, D), cos, sin)                       # (Hq+Hkv, D)
     q, k = qk.split([Hq, Hkv])                                            # (Hq, D), (Hkv, D)
     k_cache.narrow(1, pos, 1).copy_(k.view(Hkv, 1, D))                    # narrow: pos stays symbolic
     v_cache.narrow(1, pos, 1).copy_(v.view(Hkv, 1, D))
@@ -259,7 +242,7 @@ _compiled_decode_layer = torch.compile(decode_layer)
 # each GEMV loop and recomputes it, with the bf16 -> fp32 conversions, for every ROW. A bf16 weight is
 # only 2 bytes of memory traffic per element, so that per-row work makes the loop instruction-bound;
 # materialising any pointwise result of more than 2 ops once (in fp32) makes the GEMV loop a bare
-# load-convert-multiply-add: +13% tokens/s in bf16, -4% in fp32 (lesson 02, five alternating pairs).
+# load-convert-multiply-add: faster in bf16, not in fp32 (lesson 02 has the numbers).
 try:
     _compiled_decode_layer_16bit = torch.compile(decode_layer, options={"realize_opcount_threshold": 2})
 except RuntimeError:                      # options are checked here, at import: an Inductor without it
@@ -288,22 +271,19 @@ def _decode_compiled(model: Llama, token: torch.Tensor, cache: KVCache, rope: Ro
 
 @torch.no_grad()
 def forward_fast(model: Llama, tokens: torch.Tensor, cache: KVCache, rope: RopeTable,
-                 prefill_attention: str = "sdpa", gemv: str = "auto",
+                 attention_backend: str = "sdpa", gemv: str = "auto",
                  compiled_step: bool | None = None) -> torch.Tensor:
     """tokens (1, T) continuing one sequence at cache.lengths[0] -> logits of the last token (1, V).
     Same contract as kv_cache.forward_cached for batch 1 (prefill T > 1 or decode T = 1). The model
     must be fused, and checked by is_fused() once per sequence (which generate_greedy_fast and
     LLM do).
-    prefill_attention: "sdpa" (torch's fused attention) or "flash" (lesson 05's FlashAttention,
-    used for steps with T > 1; a decode step is one query row and never uses it).
+    attention_backend: how a step with T > 1 attends (model.ATTENTION_BACKENDS: "naive", "sdpa",
+    "flash"); a decode step is one query row and always uses torch's fused SDPA.
     gemv: how one-token projections run (item 5: "auto", "compiled", "mv", "linear").
     compiled_step: a decode step (T = 1) by the compiled decode_layer (item 6); None = where it
     applies (can_compile_step) and torch.compile works. A prefill always runs the loop below."""
-    if prefill_attention not in ("sdpa", "flash"):
-        raise ValueError(f"prefill_attention = {prefill_attention!r}; allowed: 'sdpa', 'flash'")
-    use_flash = prefill_attention == "flash" and tokens.shape[1] > 1
-    if use_flash:
-        from .flash_attention import flash_attention
+    check_attention_backend(attention_backend)
+    attend = attention_function(attention_backend if tokens.shape[1] > 1 else "sdpa")
     gemv = resolve_gemv(gemv, tokens.device)
     B, T = tokens.shape
     if B != 1:
@@ -327,27 +307,17 @@ def forward_fast(model: Llama, tokens: torch.Tensor, cache: KVCache, rope: RopeT
     for i, layer in enumerate(model.layers):
         qkv = linear(layer.attn.wqkv, rms_norm(layer.attn_norm, h), gemv)  # (1, T, (Hq+2Hkv)*D)
         qk, v = qkv.split([(Hq + Hkv) * D, Hkv * D], dim=-1)
-        qk = _rope(qk.view(B, T, Hq + Hkv, D), rotation).transpose(1, 2)  # (1, Hq+Hkv, T, D)
+        qk = apply_rope_complex(qk.view(B, T, Hq + Hkv, D), rotation).transpose(1, 2)  # (1, Hq+Hkv, T, D)
         q, k = qk[:, :Hq], qk[:, Hq:]                                     # (1, Hq, T, D), (1, Hkv, T, D)
         cache.k[i, :, :, start:end] = k
         cache.v[i, :, :, start:end] = v.view(B, T, Hkv, D).transpose(1, 2)
         keys, values = cache.k[i, :, :, :end], cache.v[i, :, :, :end]     # (1, Hkv, end, D)
-        if use_flash:                                                     # causal with offset start
-            out = flash_attention(q, keys, values, causal=True)           # (1, Hq, T, D)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1 and start == 0,
-                                                 attn_mask=_prefix_mask(start, T, h.device) if T > 1 and start else None,
-                                                 enable_gqa=True)         # (1, Hq, T, D)
+        out = attend(q, keys, values, causal=True)                        # (1, Hq, T, D): causal after start
         h = h + linear(layer.attn.wo, out.transpose(1, 2).reshape(B, T, Hq * D), gemv)
         gate, up = linear(layer.ffn.w_gate_up, rms_norm(layer.ffn_norm, h), gemv).chunk(2, dim=-1)  # (1, T, ffn) each
         h = h + linear(layer.ffn.w_down, F.silu(gate) * up, gemv)
     cache.lengths[0] = end
     return lm_head(model, h[:, -1], gemv)                                 # (1, V)
-
-
-def _prefix_mask(start: int, T: int, device) -> torch.Tensor:
-    """(T, start + T) bool: query t (at position start + t) sees keys 0..start + t."""
-    return torch.ones(T, start + T, dtype=torch.bool, device=device).tril(diagonal=start)
 
 
 @torch.no_grad()

@@ -2,14 +2,17 @@
 
 Three versions of the same function sit side by side:
 
-    naive_attention        S = Q K^T, P = softmax(S), O = P V. The definition of right: it
-                           materialises two (Tq, Tk) matrices per head, O(N^2) memory.
-    flash_attention_torch  NEW: the online-softmax algorithm in plain PyTorch, with explicit
-                           (block_m x block_n) tiles, the same tiling as the Triton kernel in
-                           kernels/flash_attention.py. Memory O(N) plus one tile.
-    flash_attention        the user-facing, differentiable function: forward by the Triton kernel
-                           or the torch twin, backward by tiled recomputation from the saved
-                           log-sum-exp (FlashAttention-2 style), so it also works for training.
+    naive_attention_in_dtype  S = Q K^T, P = softmax(S), O = P V in q's own dtype (on fp32
+                              inputs, the definition of right): it materialises two (Tq, Tk)
+                              matrices per head, O(N^2) memory. (model.naive_attention_fp32 is
+                              the model's baseline, which computes in fp32 whatever q's dtype.)
+    flash_attention_torch     NEW: the online-softmax algorithm in plain PyTorch, with explicit
+                              (block_m x block_n) tiles, the same tiling as the Triton kernel in
+                              kernels/flash_attention.py. Memory O(N) plus one tile.
+    flash_attention           the user-facing, differentiable function: forward by the Triton
+                              kernel or the torch twin, backward by tiled recomputation from the
+                              saved log-sum-exp (FlashAttention-2 style), so it also works for
+                              training.
 
 Layout everywhere: q (B, Hq, Tq, D), k and v (B, Hkv, Tk, D), Hq % Hkv == 0. Grouped-query
 attention: query head h reads KV head h // (Hq // Hkv). With causal=True and Tq < Tk (prefill
@@ -23,46 +26,12 @@ Online softmax, per query row, one key tile s at a time (m: running max, l: runn
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from .kernel_args import MAX_HEAD_DIM, check_attention_inputs  # shared with the Triton kernel
+from .positions import causal_mask
+
 BACKENDS = ("auto", "triton", "torch")
-
-
-# ----------------------------------------------------------------------------- input checks
-
-def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                           sm_scale: float | None) -> float:
-    """Validate shapes, dtypes and devices; return the softmax scale (default 1/sqrt(D))."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a 4-D tensor (B, H, T, D), got {shape}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name}.dtype must be one of float32, float16, bfloat16, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (B, Hkv, Tk, D), got {tuple(k.shape)} and {tuple(v.shape)}")
-    B, Hq, Tq, D = q.shape
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"k must be (B={B}, Hkv, Tk, D={D}) to match q, got {tuple(k.shape)}")
-    Hkv, Tk = k.shape[1], k.shape[2]
-    if min(B, Hq, Tq, D, Hkv, Tk) < 1:
-        raise ValueError(f"all dimensions must be >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if Hq % Hkv != 0:
-        raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the KV heads ({Hkv})")
-    if causal and Tq > Tk:
-        raise ValueError(f"causal attention needs Tq <= Tk (query i sits at position Tk - Tq + i), got Tq={Tq}, Tk={Tk}")
-    if sm_scale is None:
-        return 1.0 / math.sqrt(D)
-    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
-        raise ValueError(f"sm_scale must be a positive finite number or None, got {sm_scale!r}")
-    return float(sm_scale)
 
 
 def _check_block(value: int, name: str) -> None:
@@ -79,22 +48,19 @@ def _naive_scores(q, k, v, causal: bool, scale: float):
     v = v.repeat_interleave(group, dim=1)                 # (B, Hq, Tk, D)
     s = (q @ k.transpose(-1, -2)) * scale                 # (B, Hq, Tq, Tk): the N^2 matrix, written out in full
     if causal:
-        Tq, Tk = q.shape[2], k.shape[2]
-        rows = torch.arange(Tq, device=q.device)[:, None] + (Tk - Tq)   # (Tq, 1) absolute query positions
-        cols = torch.arange(Tk, device=q.device)[None, :]               # (1, Tk)
-        s = s.masked_fill(cols > rows, float("-inf"))
+        s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))   # (Tq, Tk) mask
     return s, v
 
 
-def naive_attention(q, k, v, causal: bool = True, sm_scale: float | None = None) -> torch.Tensor:
+def naive_attention_in_dtype(q, k, v, causal: bool = True, sm_scale: float | None = None) -> torch.Tensor:
     """Standard attention in q's dtype: materialise S = QK^T and P = softmax(S), then O = PV."""
     s, v = _naive_scores(q, k, v, causal, check_attention_inputs(q, k, v, causal, sm_scale))
     p = torch.softmax(s, dim=-1)                          # (B, Hq, Tq, Tk): a second N^2 matrix
     return p @ v                                          # (B, Hq, Tq, D)
 
 
-def naive_attention_lse(q, k, v, causal: bool = True, sm_scale: float | None = None):
-    """naive_attention plus the rows' log-sum-exp: (o (B, Hq, Tq, D), lse (B, Hq, Tq) fp32)."""
+def naive_attention_in_dtype_lse(q, k, v, causal: bool = True, sm_scale: float | None = None):
+    """naive_attention_in_dtype plus the rows' log-sum-exp: (o (B, Hq, Tq, D), lse (B, Hq, Tq) fp32)."""
     s, v = _naive_scores(q, k, v, causal, check_attention_inputs(q, k, v, causal, sm_scale))
     o = torch.softmax(s, dim=-1) @ v                      # (B, Hq, Tq, D)
     return o, torch.logsumexp(s.float(), dim=-1)          # lse: (B, Hq, Tq)
@@ -228,7 +194,7 @@ def attention_forward(q, k, v, causal: bool = True, sm_scale: float | None = Non
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        backend = "triton" if triton_usable(q.device) and q.shape[-1] <= 256 else "torch"
+        backend = "triton" if triton_usable(q.device) and q.shape[-1] <= MAX_HEAD_DIM else "torch"
     if backend == "triton":
         if not triton_usable(q.device):
             raise ValueError("backend='triton' needs a CUDA tensor, or a CPU tensor with TRITON_INTERPRET=1 "

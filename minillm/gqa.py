@@ -1,7 +1,7 @@
 """Grouped-query attention without copying K/V heads.
 
-The baseline (model.naive_attention) repeats each KV head n_heads // n_kv_heads times before
-the matmul: that materialises Hq copies of K and V. Here the G = Hq / Hkv query heads that
+The baseline (model.naive_attention_fp32) repeats each KV head n_heads // n_kv_heads times
+before the matmul: that materialises Hq copies of K and V. Here the G = Hq / Hkv query heads that
 share a KV head are folded into the query-length axis instead, so each K/V head is read once:
 
     q (B, Hq, T, D) -> (B, Hkv, G*T, D);  scores = q @ k^T : (B, Hkv, G*T, S)

@@ -6,8 +6,8 @@ writes its K/V into a preallocated buffer and attends over the stored ones.
 
 The cache is contiguous and preallocated, one buffer per layer of shape (B, Hkv, max_len, D),
 with a length per sequence, so prompts of different lengths can share a batch. Its size is
-the article's formula (see kv_cache_bytes). Paging (minillm/paged.py) removes the waste of
-reserving max_len for every sequence.
+the article's formula (see kv_cache_bytes). Paging (minillm/block_manager.py) removes the
+waste of reserving max_len for every sequence.
 
 forward_cached() runs the *same* modules as the baseline (model.layers[i].attn.wq, ...);
 what is new is marked  # NEW: cache.
@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from .gqa import grouped_attention
-from .model import Llama, ModelConfig, rope_cos_sin
+from .model import Llama, ModelConfig
+from .positions import rope_cos_sin
 
 
 def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, batch: int,

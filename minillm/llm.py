@@ -15,14 +15,18 @@ from typing import Iterator
 
 import torch
 
-from .fast_decode import RopeTable, forward_fast, fuse_projections, is_fused
+from .fast_decode import forward_fast, fuse_projections, is_fused
 from .kv_cache import KVCache, forward_cached
 from .engine import Engine, check_engine_args
 from .loader import load_model, resolve_device
+from .model import check_attention_backend
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .positions import RopeTable
 from .request import Request
 from .sampling import SamplingParams, make_generator, sample
 
+# Process-wide, not per LLM: request ids stay unique when requests made by one LLM meet another's in
+# an engine or a log (tests, notebooks and benchmarks build several LLMs around one model).
 _request_counter = itertools.count()
 
 
@@ -49,10 +53,7 @@ class LLM:
         self.num_speculative_tokens = num_speculative_tokens
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len = {max_model_len!r} is invalid; allowed: an integer >= 2")
-        if attention_backend not in ("sdpa", "flash"):
-            raise ValueError(f"attention_backend = {attention_backend!r} is not supported; allowed: "
-                             f"'sdpa' (torch's fused attention), 'flash' (minillm's FlashAttention for prefill)")
-        self.attention_backend = attention_backend
+        self.attention_backend = check_attention_backend(attention_backend)
         self.device = resolve_device(device)
         if isinstance(model, Llama):
             if tokenizer is None:

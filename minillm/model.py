@@ -7,8 +7,7 @@ is proven equal to this file, so it stays short and obvious:
            -> RMSNorm -> tied LM head -> logits
 
 Each call recomputes attention over the whole sequence: generating n tokens costs O(n^2) work.
-RoPE rotates *interleaved* pairs (0,1), (2,3), ...: that is how GGUF stores the q/k rows
-(HF-format weights are permuted into this layout by the loader).
+RoPE rotates *interleaved* pairs (0,1), (2,3), ... (minillm/positions.py, shared by every path).
 """
 from __future__ import annotations
 
@@ -18,6 +17,8 @@ from dataclasses import dataclass, asdict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .positions import apply_rope, causal_mask, rope_cos_sin
 
 
 @dataclass
@@ -71,50 +72,55 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
-    """cos, sin of shape (..., head_dim // 2) for integer positions (...)."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
-    angles = positions.float()[..., None] * inv_freq        # (..., hd/2)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) by the angle of their position.
-    x: (B, H, T, hd); cos, sin: (B, 1, T, hd/2) or (T, hd/2)."""
-    xf = x.float()
-    x_even, x_odd = xf[..., 0::2], xf[..., 1::2]             # (B, H, T, hd/2) each
-    rot_even = x_even * cos - x_odd * sin
-    rot_odd = x_even * sin + x_odd * cos
-    return torch.stack((rot_even, rot_odd), dim=-1).flatten(-2).type_as(x)
-
-
-def naive_attention(q, k, v, causal: bool = True):
-    """softmax(q k^T / sqrt(d)) v with the (T, S) score matrix materialised.
-    q: (B, Hq, T, hd); k, v: (B, Hkv, S, hd). With S > T the queries are the last T positions."""
+def naive_attention_fp32(q, k, v, causal: bool = True):
+    """softmax(q k^T / sqrt(d)) v with the (T, S) score matrix materialised, computed in fp32
+    whatever q's dtype (the definition of right), returned in q's dtype.
+    q: (B, Hq, T, hd); k, v: (B, Hkv, S, hd). With S > T the queries are the last T positions.
+    (flash_attention.naive_attention_in_dtype is the same math in q's own dtype.)"""
     n_rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(n_rep, dim=1)                    # (B, Hq, S, hd): copies for GQA
     v = v.repeat_interleave(n_rep, dim=1)                    # (B, Hq, S, hd)
     scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, Hq, T, S)
     if causal:
-        T, S = scores.shape[-2:]
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        mask = causal_mask(*scores.shape[-2:], device=q.device)   # (T, S)
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = scores.softmax(dim=-1)                           # (B, Hq, T, S)
     return (probs @ v.float()).type_as(q)                    # (B, Hq, T, hd)
 
 
-ATTENTION_BACKENDS = ("naive", "flash")
+def sdpa_attention(q, k, v, causal: bool = True):
+    """The same attention by torch's fused F.scaled_dot_product_attention (GQA without copying
+    K/V). Its is_causal aligns the mask top-left, so queries after a cached prefix (1 < T < S)
+    get the explicit causal_mask; one query row sees every key and needs none."""
+    T, S = q.shape[-2], k.shape[-2]
+    mask = causal_mask(T, S, q.device) if causal and 1 < T < S else None    # (T, S) or None
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and 1 < T == S,
+                                          enable_gqa=True)                  # (B, Hq, T, hd)
+
+
+ATTENTION_BACKENDS = ("naive", "sdpa", "flash")
+
+
+def check_attention_backend(backend: str) -> str:
+    """The one check of the attention-backend option (Llama.forward, forward_fast, LLM)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend = {backend!r} is not supported; allowed: 'naive' (the score "
+                         f"matrix materialised, fp32), 'sdpa' (torch's fused scaled_dot_product_attention), "
+                         f"'flash' (minillm's FlashAttention, lesson 05)")
+    return backend
 
 
 def attention_function(backend: str):
-    """"naive" materialises the score matrix (above); "flash" is lesson 05's tiled online softmax
+    """attend(q, k, v, causal) for a backend: "naive" materialises the score matrix (above);
+    "sdpa" is torch's fused kernel; "flash" is lesson 05's tiled online softmax
     (minillm/flash_attention.py: the Triton kernel where it can run, its PyTorch twin elsewhere)."""
+    check_attention_backend(backend)
     if backend == "naive":
-        return naive_attention
-    if backend == "flash":
-        from .flash_attention import flash_attention
-        return flash_attention
-    raise ValueError(f"attention_backend = {backend!r} is not supported; allowed: {', '.join(ATTENTION_BACKENDS)}")
+        return naive_attention_fp32
+    if backend == "sdpa":
+        return sdpa_attention
+    from .flash_attention import flash_attention
+    return flash_attention
 
 
 class Attention(nn.Module):
@@ -134,7 +140,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, attend=naive_attention):  # x: (B, T, dim)
+    def forward(self, x, cos, sin, attend=naive_attention_fp32):  # x: (B, T, dim)
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
         out = attend(q, k, v, causal=True)                   # (B, Hq, T, hd)
@@ -160,7 +166,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, x, cos, sin, attend=naive_attention):  # (B, T, dim)
+    def forward(self, x, cos, sin, attend=naive_attention_fp32):  # (B, T, dim)
         x = x + self.attn(self.attn_norm(x), cos, sin, attend)
         return x + self.ffn(self.ffn_norm(x))
 
@@ -179,7 +185,8 @@ class Llama(nn.Module):
         return F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
 
     def forward(self, tokens: torch.Tensor, attention_backend: str = "naive") -> torch.Tensor:
-        """tokens (B, T) int64 -> logits (B, T, vocab). Positions are 0..T-1."""
+        """tokens (B, T) int64 -> logits (B, T, vocab). Positions are 0..T-1. attention_backend:
+        one of ATTENTION_BACKENDS; the default "naive" is the definition of right."""
         attend = attention_function(attention_backend)
         B, T = tokens.shape
         if T > self.cfg.max_seq_len:

@@ -7,7 +7,7 @@ concatenates them all into ONE flat sequence of N tokens, so every linear layer 
 
     tokens        (N,)   the new tokens of every request, back to back
     positions     (N,)   each token's position in its own request (for RoPE)
-    slot_mapping  (N,)   where its K/V goes in the paged cache (minillm/paged.py)
+    slot_mapping  (N,)   where its K/V goes in the paged cache (minillm/block_manager.py)
 
 Only attention needs to know where one request ends and the next begins:
 - decode rows (one new token each) attend together: on a GPU the Triton kernel walks each
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .fast_decode import RopeTable, _prefix_mask, _rope, is_fused, linear, lm_head, rms_norm
+from .fast_decode import is_fused, linear, lm_head, rms_norm
 from .model import Llama, ModelConfig
-from .paged import block_table_tensor, gather_blocks
-from .quant.kv_int8 import dequantize_kv, quantize_kv
+from .paged_attention import block_table_tensor, copy_blocks, gather_kv, store_kv_reference
+from .positions import RopeTable, apply_rope_complex, causal_mask
 
 
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -75,38 +75,26 @@ class PagedKVCache:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write pairs (src, dst) from BlockManager.append_slots, for every layer at once."""
-        if copies:
-            src = torch.tensor([s for s, _ in copies], device=self.k.device)
-            dst = torch.tensor([d for _, d in copies], device=self.k.device)
-            for t in (self.k, self.v, self.k_scale, self.v_scale):
-                if t is not None:
-                    t[:, dst] = t[:, src]
+        caches = [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+        copy_blocks(caches, copies, block_dim=1)                        # (L, num_blocks, ...) each
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """k, v (N, Hkv, D) into their slots (N,): a row scatter (quantised first for int8)."""
-        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            flat = cache[layer].view(-1, *cache.shape[3:])                # (slots, Hkv, D)
-            if self.quantized:
-                q, scale = quantize_kv(x[None])                           # (1, N, Hkv, D), (1, N, Hkv, 1)
-                flat.index_copy_(0, slot_mapping, q[0])
-                scales[layer].view(-1, *scales.shape[3:]).index_copy_(0, slot_mapping, scale[0])
-            else:
-                flat.index_copy_(0, slot_mapping, x)
+        """k, v (N, Hkv, D) into their slots (N,), all real: a row scatter (quantised first for int8)."""
+        store_kv_reference(k, v, self.k[layer], self.v[layer], slot_mapping, *self._scales(layer),
+                           skip_padding=False)
 
     def gather(self, layer: int, block_tables: torch.Tensor, out: tuple | None = None):
         """Whole blocks of (B, n) block tables -> K, V (B, n * block_size, Hkv, D) in the compute
-        dtype (paged.gather_blocks; past each length: stale, mask it). out: two buffers to reuse."""
-        result = []
-        for j, (cache, scales) in enumerate(((self.k, self.k_scale), (self.v, self.v_scale))):
-            x = gather_blocks(cache[layer], block_tables, None if out is None else out[j])
-            if self.quantized:
-                x = dequantize_kv(x, gather_blocks(scales[layer], block_tables), self.dtype)
-            result.append(x)
-        return result[0], result[1]
+        dtype (paged_attention.gather_kv; past each length: stale, mask it). out: two buffers to reuse."""
+        return gather_kv(self.k[layer], self.v[layer], block_tables, *self._scales(layer), self.dtype, out)
+
+    def _scales(self, layer: int) -> tuple:
+        """One layer's (k_scale, v_scale) of an int8 cache, (None, None) otherwise."""
+        return (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
 
 
 # One more attention call per layer (two block copies + one SDPA) costs about as much as
-# copying and reading 16 blocks more (measured on the 2-core CPU, bf16, block_size 16).
+# copying and reading GROUP_COST_BLOCKS blocks more (a break-even measured on CPU in bf16; re-measure elsewhere).
 GROUP_COST_BLOCKS = 16
 
 
@@ -173,7 +161,7 @@ def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_lo
             dec_lens.append(start + 1)
             dec_tables.append(table[:math.ceil((start + 1) / block_size)])
         else:
-            mask = _prefix_mask(start, T, device) if start else None           # (T, start+T) or causal
+            mask = causal_mask(T, start + T, device) if start else None        # (T, start+T) or causal
             blocks = block_table_tensor([table[:math.ceil((start + T) / block_size)]], device)   # (1, n)
             prefills.append((row, T, start, blocks, mask))
         row += T
@@ -243,10 +231,11 @@ class ModelRunner:
         Hq, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if self.fused:                                   # rotate q and k in one go
             qk, v = linear(attn.wqkv, x).split([(Hq + Hkv) * D, Hkv * D], dim=-1)
-            qk = _rope(qk.view(-1, Hq + Hkv, D), rotation)                # (N, Hq+Hkv, D)
+            qk = apply_rope_complex(qk.view(-1, Hq + Hkv, D), rotation)   # (N, Hq+Hkv, D)
             return qk[:, :Hq], qk[:, Hq:], v.view(-1, Hkv, D)
         q, k, v = attn.wq(x), attn.wk(x), attn.wv(x)
-        return _rope(q.view(-1, Hq, D), rotation), _rope(k.view(-1, Hkv, D), rotation), v.view(-1, Hkv, D)
+        return (apply_rope_complex(q.view(-1, Hq, D), rotation), apply_rope_complex(k.view(-1, Hkv, D), rotation),
+                v.view(-1, Hkv, D))
 
     def _store(self, layer: int, k, v, slot_mapping) -> None:
         if self.use_triton:

@@ -18,7 +18,7 @@ Rules that keep it correct (each one is a bug some engine has had):
   other content when the pool runs out of never-cached free blocks, least recently used
   first (evict() unregisters it before it is handed out again).
 
-This module is the index only; minillm/paged.py owns the blocks, reference counts and the
+This module is the index only; minillm/block_manager.py owns the blocks, reference counts and the
 free list, and calls into it. Blocks are plain ints (physical block ids).
 
 SGLang's RadixAttention keeps the same information as a radix tree over tokens instead of a

@@ -53,8 +53,8 @@ def measure_bandwidth(mbytes: int = 512, dtype=torch.float32, repeats: int = 5, 
     """Bytes/s at which a large weight can be streamed once: the bound's denominator. The faster of
     (a) torch.mv, decode's own access pattern through the library's GEMV, and (b) a plain read of
     the same bytes (a sum over them, viewed as fp32). No GEMV beats the read by much, but a library
-    GEMV can fall far short of it (lesson 01: on an AMD EPYC VM, a bound taken from (a) alone was
-    beaten by about 2x by a compiled GEMV)."""
+    GEMV can fall far short of it (lesson 01: on one VM, a compiled GEMV beat a bound taken from
+    (a) alone)."""
     elem = torch.tensor([], dtype=dtype).element_size()
     cols = 4096
     rows = mbytes * 2**20 // (elem * cols)

@@ -1,7 +1,7 @@
 """Continuous batching: decide, every step, which requests run and how many tokens each.
 
-Plain Python over the block manager (minillm/paged.py); no tensors, no model, so every rule
-below is unit-tested on its own (tests/test_scheduler.py).
+Plain Python over the block manager (minillm/block_manager.py); no tensors, no model, so every
+rule below is unit-tested on its own (tests/test_scheduler.py).
 
 Static batching (HF's batched generate) admits a batch, pads it, and runs until its LONGEST
 request ends: short requests idle, new ones wait. Continuous batching re-decides every step:
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .paged import BlockManager
+from .block_manager import BlockManager
 from .request import Request, RequestStatus
 
 

@@ -41,9 +41,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .fast_decode import RopeTable, forward_fast, fuse_projections, is_fused
+from .fast_decode import forward_fast, fuse_projections, is_fused
 from .kv_cache import KVCache, forward_cached
 from .model import Llama
+from .positions import RopeTable
 from .sampling import SamplingParams, filtered_probs
 
 METHODS = ("draft", "layerskip", "ngram")
@@ -167,8 +168,8 @@ def layer_subset(model: Llama, keep: list[int]) -> Llama:
 def default_skipped_layers(n_layers: int) -> list[int]:
     """Which layers the self-speculative draft skips: n_layers // 7 of them (at least one),
     every other layer around the middle. SmolLM2-135M has no layer to spare: skipping any single
-    one already changes the greedy token 11-98% of the time (layers 0 and 1 most, the middle
-    least; the benchmark's layer table measures it), so the draft skips only a few middle ones."""
+    one already changes the greedy token often (layers 0 and 1 most, the middle least; the
+    benchmark's layer table measures it), so the draft skips only a few middle ones."""
     count = max(1, n_layers // 7)
     start = n_layers // 2 - count + 1
     return list(range(start, start + 2 * count - 1, 2))
@@ -231,6 +232,9 @@ class ModelDraft:
         self.state.rollback(length)
 
 
+# Process-wide cache of draft weights, keyed weakly by the target model: they depend on the target's
+# weights alone, so every LLM, benchmark and notebook drafting for one target shares them, and they
+# are freed with it.
 _drafts: "weakref.WeakKeyDictionary[Llama, dict]" = weakref.WeakKeyDictionary()
 
 

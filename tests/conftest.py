@@ -1,4 +1,9 @@
-"""Shared fixtures. Real-model fixtures are session-scoped: SmolLM2 loads once per run."""
+"""Shared fixtures. Real-model fixtures are session-scoped: SmolLM2 loads once per run.
+
+The `slow` marker (pytest.ini) follows from the fixtures: a test that asks for the real model
+or a peer library (SLOW_FIXTURES) is marked here, so the marker cannot drift from what a test
+loads. A test that loads either without a fixture (a subprocess, a notebook, a peer imported at
+module level) carries @pytest.mark.slow itself."""
 from __future__ import annotations
 
 import os
@@ -15,6 +20,13 @@ import pytest  # noqa: E402
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
+SLOW_FIXTURES = {"smollm2_path", "llm", "hf_model", "hf_tokenizer", "transformers", "bnb"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -33,17 +45,27 @@ def llm(smollm2_path):
 
 
 @pytest.fixture(scope="session")
-def hf_model(smollm2_path):
+def transformers():
+    """The peer library for models and tokenizers (skips where it is not installed)."""
+    return pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="session")
+def bnb():
+    """bitsandbytes.functional: the peer for NF4 (skips where it is not installed)."""
+    return pytest.importorskip("bitsandbytes.functional")
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm2_path, transformers):
     """transformers' LlamaForCausalLM loaded from the same GGUF: the peer for logits."""
-    transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32)
     return model.eval()
 
 
 @pytest.fixture(scope="session")
-def hf_tokenizer(smollm2_path):
-    transformers = pytest.importorskip("transformers")
+def hf_tokenizer(smollm2_path, transformers):
     return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
 
 

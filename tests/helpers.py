@@ -1,5 +1,6 @@
 """Small shared pieces for tests (import as `from helpers import ...`; tests/ is on sys.path)."""
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class CharTokenizer:
@@ -13,3 +14,37 @@ class CharTokenizer:
 def random_prompts(lengths, vocab, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+class LargestNewTensor(TorchDispatchMode):
+    """Records the largest tensor any operation creates inside the `with` block (views share
+    memory: not counted). Proves what an algorithm never materialises."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.numel())
+        return out
+
+
+def count_calls(monkeypatch, name, *modules) -> list:
+    """Replace function `name` in each of `modules` that has it (the defining module first) by a
+    wrapper that records each call and then runs the original. Returns the list of recorded calls:
+    a test that names a code path can then prove the path ran, not a fallback with the same result."""
+    original = getattr(modules[0], name)
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    for module in modules:
+        if getattr(module, name, None) is original:
+            monkeypatch.setattr(module, name, wrapper)
+    return calls

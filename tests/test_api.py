@@ -136,6 +136,7 @@ def _cli(*args):
     return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow                                       # the subprocess loads the real model
 def test_cli_generate_streams_text():
     r = _cli("generate", "--max-tokens", "6", "--device", "cpu", "The capital of France is")
     assert r.returncode == 0 and "Paris" in r.stdout

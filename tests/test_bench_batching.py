@@ -49,8 +49,7 @@ def test_ladder_factors_multiply_to_the_whole_step():
     assert math.prod(r["factor"] for r in rows[1:]) == pytest.approx(220.0 / 20.0)
 
 
-def test_run_hf_counts_padded_rows():
-    transformers = pytest.importorskip("transformers")
+def test_run_hf_counts_padded_rows(transformers):
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     torch.manual_seed(0)

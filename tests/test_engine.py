@@ -202,7 +202,6 @@ def first_mismatch_is_near_tie(llm, prompt_ids, ref, got):
     return float(top2[0] - top2[1]) < 1e-4
 
 
-@pytest.mark.slow
 def test_smollm2_batched_engine_equals_contiguous_cache(llm, smollm2_path):
     """The model on the paged cache, four requests sharing every step, chunked prefill: greedy
     tokens equal each request run alone on the contiguous cache (up to 128 new tokens)."""
@@ -236,7 +235,6 @@ def test_int8_kv_cache_halves_memory_and_stays_close():
         tiny_llm(kv_cache_dtype="fp8")
 
 
-@pytest.mark.slow
 def test_smollm2_int8_kv_cache_perplexity(smollm2_path):
     """SmolLM2 with an int8 KV cache: perplexity on the evaluation text within 1% of fp32 KV."""
     from minillm.evaluate import perplexity

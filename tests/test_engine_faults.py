@@ -16,7 +16,7 @@ from helpers import CharTokenizer, random_prompts  # noqa: E402
 from minillm import LLM, SamplingParams, fast_decode  # noqa: E402
 from minillm import engine as engine_module  # noqa: E402
 from minillm.model import random_model, tiny_config  # noqa: E402
-from minillm.paged import paged_attention_split  # noqa: E402
+from minillm.paged_attention import paged_attention_split  # noqa: E402
 
 
 def tiny_llm(max_model_len=128, num_kv_blocks=64, **kwargs):

@@ -4,9 +4,10 @@ import torch
 import torch.nn as nn
 
 from minillm import SamplingParams, fast_decode
-from minillm.fast_decode import RopeTable, forward_fast, fuse_projections, generate_greedy_fast, is_fused
+from minillm.fast_decode import forward_fast, fuse_projections, generate_greedy_fast, is_fused
 from minillm.kv_cache import KVCache, generate_greedy, generate_greedy_naive
-from minillm.model import random_model, tiny_config
+from minillm.model import ATTENTION_BACKENDS, random_model, tiny_config
+from minillm.positions import RopeTable
 
 
 @pytest.fixture(autouse=True)
@@ -18,17 +19,18 @@ def fresh_compile_caches():
     yield
 
 
-def _fast_greedy(model, prompt, n, chunks=(None,)):
+def _fast_greedy(model, prompt, n, chunks=(None,), **options):
+    """Greedy tokens by forward_fast (options: its keyword arguments)."""
     cache = KVCache(model.cfg, 1, len(prompt) + n)
     rope = RopeTable(model.cfg.head_dim, model.cfg.rope_theta, len(prompt) + n, "cpu")
     cut = chunks[0] or len(prompt)
-    logits = forward_fast(model, torch.tensor([prompt[:cut]]), cache, rope)
+    logits = forward_fast(model, torch.tensor([prompt[:cut]]), cache, rope, **options)
     if cut < len(prompt):                                     # prefill in two chunks
-        logits = forward_fast(model, torch.tensor([prompt[cut:]]), cache, rope)
+        logits = forward_fast(model, torch.tensor([prompt[cut:]]), cache, rope, **options)
     out = []
     for _ in range(n):
         out.append(int(logits.argmax()))
-        logits = forward_fast(model, torch.tensor([[out[-1]]]), cache, rope)
+        logits = forward_fast(model, torch.tensor([[out[-1]]]), cache, rope, **options)
     return out
 
 
@@ -41,6 +43,16 @@ def test_tiny_fast_equals_naive(chunk):
     assert is_fused(model)
     assert _fast_greedy(model, prompt, 64, (chunk,)) == ref
     assert generate_greedy_fast(model, prompt, 64) == ref
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_every_attention_backend_gives_the_baseline_tokens(backend):
+    """The prefill's second chunk attends after a cached prefix (the causal mask with an offset)."""
+    model = random_model(tiny_config(), seed=1)
+    prompt = [9, 8, 7, 6, 5, 4, 3]
+    ref = generate_greedy_naive(model, prompt, 16)
+    fuse_projections(model)
+    assert _fast_greedy(model, prompt, 16, (3,), attention_backend=backend, compiled_step=False) == ref
 
 
 def test_fused_weights_are_views_not_copies():

@@ -17,13 +17,17 @@ import os
 import pytest
 import torch
 
+from helpers import LargestNewTensor, count_calls
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import kernels.flash_attention as flash_kernel  # noqa: E402
+import minillm.flash_attention as flash_module  # noqa: E402
 from kernels.flash_attention import INTERPRETED, triton_flash_attention_forward  # noqa: E402
 from minillm.flash_attention import (  # noqa: E402
-    flash_attention, flash_attention_backward_torch, flash_attention_torch, naive_attention,
-    naive_attention_lse, triton_usable,
+    flash_attention, flash_attention_backward_torch, flash_attention_torch, naive_attention_in_dtype,
+    naive_attention_in_dtype_lse, triton_usable,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,11 +47,11 @@ def max_err(a, b):
 
 def assert_matches_naive(o, lse, q, k, v, causal, sm_scale=None):
     """Check o and lse with the tolerance rule from the module docstring."""
-    ref_o, ref_lse = naive_attention_lse(q.float(), k.float(), v.float(), causal, sm_scale)
+    ref_o, ref_lse = naive_attention_in_dtype_lse(q.float(), k.float(), v.float(), causal, sm_scale)
     if q.dtype == torch.float32:
         o_tol = lse_tol = 1e-5
     else:
-        same_o, same_lse = naive_attention_lse(q, k, v, causal, sm_scale)
+        same_o, same_lse = naive_attention_in_dtype_lse(q, k, v, causal, sm_scale)
         o_tol = 2 * max_err(same_o, ref_o) + 1e-5
         lse_tol = 2 * max_err(same_lse, ref_lse) + 1e-5
     assert o.shape == q.shape and o.dtype == q.dtype
@@ -79,7 +83,7 @@ def test_naive_matches_torch_sdpa(causal):
     if causal:
         mask = torch.ones(33, 80, dtype=torch.bool, device=DEVICE).tril(diagonal=80 - 33)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    assert max_err(naive_attention(q, k, v, causal), expected) <= 1e-5
+    assert max_err(naive_attention_in_dtype(q, k, v, causal), expected) <= 1e-5
 
 
 # ----------------------------------------------------------------------------- the torch twin
@@ -103,28 +107,14 @@ def test_torch_tiled_low_precision_and_tile_sizes(dtype, blocks):
 
 def test_torch_tiled_never_builds_the_score_matrix():
     """Internals: record every tensor the algorithm creates; none may hold a (Tq, Tk) matrix."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class LargestTensor(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    LargestTensor.largest = max(LargestTensor.largest, t.numel())
-            return out
-
     B, H, N, D = 1, 2, 256, 32
     q, k, v = make_qkv(B, H, H, N, N, D)
-    with LargestTensor():
+    with LargestNewTensor() as tiled:
         flash_attention_torch(q, k, v, True, block_m=32, block_n=32)
-    tiled_largest = LargestTensor.largest
-    LargestTensor.largest = 0
-    with LargestTensor():
-        naive_attention(q, k, v, True)
-    assert LargestTensor.largest >= B * H * N * N          # naive: the full score matrix exists
-    assert tiled_largest <= B * H * N * D                  # tiled: nothing bigger than q itself
+    with LargestNewTensor() as naive:
+        naive_attention_in_dtype(q, k, v, True)
+    assert naive.largest >= B * H * N * N                  # naive: the full score matrix exists
+    assert tiled.largest <= B * H * N * D                  # tiled: nothing bigger than q itself
 
 
 # ----------------------------------------------------------------------------- the Triton kernel
@@ -183,8 +173,8 @@ def test_gradients_match_autograd_through_naive(backend, dtype, shape, causal):
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(8)).to(DEVICE, dtype)
     grads = torch.autograd.grad(flash_attention(q, k, v, causal, backend=backend), (q, k, v), do)
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref = torch.autograd.grad(naive_attention(q32, k32, v32, causal), (q32, k32, v32), do.float())
-    same = torch.autograd.grad(naive_attention(q, k, v, causal), (q, k, v), do)
+    ref = torch.autograd.grad(naive_attention_in_dtype(q32, k32, v32, causal), (q32, k32, v32), do.float())
+    same = torch.autograd.grad(naive_attention_in_dtype(q, k, v, causal), (q, k, v), do)
     for name, g, r, s in zip("qkv", grads, ref, same):
         assert g.shape == r.shape and g.dtype == dtype
         tol = 1e-5 if dtype == torch.float32 else 3 * max_err(s, r) + 1e-5
@@ -198,7 +188,7 @@ def test_backward_torch_direct_matches_autograd():
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(10)).to(DEVICE)
     dq, dk, dv = flash_attention_backward_torch(q, k, v, o, lse, do, True, block_m=8, block_n=16)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = torch.autograd.grad(naive_attention(qr, kr, vr, True), (qr, kr, vr), do)
+    ref = torch.autograd.grad(naive_attention_in_dtype(qr, kr, vr, True), (qr, kr, vr), do)
     for g, r in zip((dq, dk, dv), ref):
         assert max_err(g, r) <= 1e-5
 
@@ -210,7 +200,8 @@ def test_auto_backend_uses_the_kernel_here():
 
 # ----------------------------------------------------------------------------- bad input
 
-@pytest.mark.parametrize("fn", [naive_attention, flash_attention, lambda *a, **kw: flash_attention_torch(*a, **kw),
+@pytest.mark.parametrize("fn", [naive_attention_in_dtype, flash_attention,
+                                lambda *a, **kw: flash_attention_torch(*a, **kw),
                                 lambda *a, **kw: triton_flash_attention_forward(*a, **kw)])
 def test_bad_inputs_raise_clear_errors(fn):
     q, k, v = make_qkv(1, 4, 2, 8, 8, 32)
@@ -238,18 +229,19 @@ def test_bad_options_raise_clear_errors():
         flash_attention_torch(q, k, v, block_m=0)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         triton_flash_attention_forward(q, k, v, block_n=48)
-    big = torch.randn(1, 1, 4, 288, device=DEVICE)
+    big = torch.randn(1, 1, 4, 288, generator=torch.Generator().manual_seed(11)).to(DEVICE)
     with pytest.raises(ValueError, match="head dim D must be <= 256"):
         triton_flash_attention_forward(big, big, big)
 
 
 # ----------------------------------------------------------------------------- the real model
 
-@pytest.mark.slow
-def test_smollm2_greedy_tokens_identical_with_flash_attention(llm):
+def test_smollm2_greedy_tokens_identical_with_flash_attention(llm, monkeypatch):
     """SmolLM2 (9 query heads on 3 KV heads, head dim 64) in fp32: the naive forward with
-    attention_backend="flash" routes every attention call through flash_attention (the kernel
-    here); logits stay within 1e-3 and greedy tokens do not change."""
+    attention_backend="flash" routes every attention call through the Triton kernel (counted:
+    once per layer and step, so the PyTorch twin cannot stand in for it); logits stay within
+    1e-3 and greedy tokens do not change."""
+    kernel_calls = count_calls(monkeypatch, "triton_flash_attention_forward", flash_kernel, flash_module)
     model, tokenizer = llm.model, llm.get_tokenizer()
     prompt = tokenizer.encode("The three primary colours are")
 
@@ -263,18 +255,22 @@ def test_smollm2_greedy_tokens_identical_with_flash_attention(llm):
         return tokens[0, len(prompt):].tolist(), first_logits
 
     expected, naive_logits = greedy(4, "naive")
+    assert not kernel_calls
     got, flash_logits = greedy(4, "flash")
+    assert len(kernel_calls) == 4 * model.cfg.n_layers
     assert max_err(flash_logits, naive_logits) <= 1e-3
     assert got == expected
 
 
-@pytest.mark.slow
-def test_llm_prefill_through_flash_attention_keeps_greedy_tokens(smollm2_path, llm):
-    """LLM(attention_backend="flash"): prefill (here in the fast batch-1 path) runs FlashAttention."""
+def test_llm_prefill_through_flash_attention_keeps_greedy_tokens(smollm2_path, llm, monkeypatch):
+    """LLM(attention_backend="flash"): prefill (here in the fast batch-1 path) runs the Triton
+    kernel in every layer (counted); the one-token decode steps do not."""
     from minillm import LLM, SamplingParams
 
     flash_llm = LLM(model=str(smollm2_path), device="cpu", attention_backend="flash")
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompt = ["Explain why the sky is blue, in detail, for a curious child."]
+    kernel_calls = count_calls(monkeypatch, "triton_flash_attention_forward", flash_kernel, flash_module)
     got = flash_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(kernel_calls) == flash_llm.config.n_layers
     assert got == llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids

@@ -22,6 +22,7 @@ def test_every_tensor_of_the_real_file_bit_exact(smollm2_path):
     assert seen_types == {"Q4_1", "Q8_0", "F32"}
 
 
+@pytest.mark.slow                                       # the peer library (gguf) quantises
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "F32"])
 def test_each_supported_format_bit_exact_on_random_data(qtype):
     """The real file has no Q4_0/F16/BF16 tensors: quantise random data with gguf and compare."""

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from minillm.gqa import grouped_attention
-from minillm.model import naive_attention
+from minillm.model import naive_attention_fp32
 
 
 @pytest.mark.parametrize("n_heads, n_kv_heads", [(9, 9), (9, 3), (9, 1)])   # MHA, SmolLM2's GQA, MQA
@@ -14,4 +14,4 @@ def test_grouped_equals_repeat_interleave(n_heads, n_kv_heads, T, S):
     k = torch.randn(2, n_kv_heads, S, 64, generator=g)
     v = torch.randn(2, n_kv_heads, S, 64, generator=g)
     mask = torch.ones(T, S, dtype=torch.bool).tril(diagonal=S - T)[None, None]   # (1, 1, T, S)
-    assert (grouped_attention(q, k, v, mask) - naive_attention(q, k, v, causal=True)).abs().max() <= 1e-5
+    assert (grouped_attention(q, k, v, mask) - naive_attention_fp32(q, k, v, causal=True)).abs().max() <= 1e-5

@@ -1,4 +1,4 @@
-"""Classroom labs (minillm/labs.py): solution markers, student copies, the grader.
+"""Classroom labs (minillm/labs/): solution markers, student copies, the grader.
 
 For every lab: the reference repository scores 100%, a fresh student copy scores 0% without
 crashing the grader, and the copy still imports minillm and runs the tiny model. The grading runs
@@ -131,8 +131,8 @@ def test_cli_list_and_grade_arguments(capsys, monkeypatch, tmp_path):
         calls.append(("many", [Path(r).name for r in repos], lab, kw.get("tasks")))
         return [labs.LabResult(labs.get_lab(lab), Path(r).resolve(), []) for r in repos]
 
-    monkeypatch.setattr(labs, "grade", fake_grade)
-    monkeypatch.setattr(labs, "grade_many", fake_many)
+    monkeypatch.setattr(labs.grader, "grade", fake_grade)
+    monkeypatch.setattr(labs.grader, "grade_many", fake_many)
     for name in ("a", "b"):
         (tmp_path / name / "minillm").mkdir(parents=True)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
@@ -143,6 +143,24 @@ def test_cli_list_and_grade_arguments(capsys, monkeypatch, tmp_path):
                      ("many", ["a", "b"], "kv_cache", None)]
     assert main(["lab", "grade", "--repo", a, "no_such_lab"]) == 2           # a clear error, not a traceback
     assert "which lab" in capsys.readouterr().err
+
+
+LAB_LIST_ALONE = """
+import runpy, sys
+sys.argv = ["python -m minillm", "lab", "list"]
+try:
+    runpy.run_module("minillm", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    assert not e.code, e.code
+heavy = [m for m in ("torch", "triton", "numpy", "minillm.engine", "minillm.llm") if m in sys.modules]
+assert not heavy, f"lab list imported {heavy}"
+"""
+
+
+def test_lab_list_imports_neither_torch_nor_the_engine():
+    done = subprocess.run([sys.executable, "-c", LAB_LIST_ALONE], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert all(name in done.stdout for name in labs.LABS)
 
 
 # ---- grading the reference and student copies (subprocesses) -----------------------------------------
@@ -186,7 +204,7 @@ for path in sys.argv[1:]:
     import minillm
     from minillm.model import random_model, tiny_config
     assert minillm.__file__.startswith(path), minillm.__file__
-    for module in ("kv_cache", "gqa", "quant.int4", "quant.nf4", "quant.gptq", "flash_attention", "paged",
+    for module in ("kv_cache", "gqa", "quant.int4", "quant.nf4", "quant.gptq", "flash_attention", "block_manager",
                    "prefix_cache", "scheduler", "speculative", "llm", "labs"):
         importlib.import_module("minillm." + module)
     logits = random_model(tiny_config(), seed=0)(torch.tensor([[1, 2, 3]]))

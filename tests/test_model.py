@@ -4,7 +4,9 @@ import torch
 
 from minillm import SamplingParams
 from minillm.loader import load_model
-from minillm.model import Llama, naive_attention, random_model, tiny_config
+from minillm.model import (
+    ATTENTION_BACKENDS, Llama, attention_function, naive_attention_fp32, random_model, tiny_config,
+)
 
 
 def _tokens(n, seed=0, vocab=49152):
@@ -30,8 +32,9 @@ def test_32_greedy_tokens_match_transformers(llm, hf_model):
 
 
 def test_attention_is_causal_and_gqa_shapes():
-    q, k, v = torch.randn(2, 6, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
-    out = naive_attention(q, k, v)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, H, 5, 8, generator=gen) for H in (6, 2, 2))   # (B, H, T, D)
+    out = naive_attention_fp32(q, k, v)
     assert out.shape == (2, 6, 5, 8)
     # the first query sees only the first key: its output is that key's value (for its group)
     assert torch.allclose(out[:, 0, 0], v[:, 0, 0], atol=1e-6)
@@ -39,11 +42,41 @@ def test_attention_is_causal_and_gqa_shapes():
     # changing a later key must not change earlier outputs
     k2 = k.clone()
     k2[:, :, -1] += 1.0
-    assert torch.equal(naive_attention(q, k2, v)[:, :, :-1], out[:, :, :-1])
+    assert torch.equal(naive_attention_fp32(q, k2, v)[:, :, :-1], out[:, :, :-1])
+
+
+@pytest.mark.parametrize("T,S", [(5, 5), (3, 8), (1, 6)])
+def test_every_attention_backend_computes_the_same_attention(T, S):
+    """The T queries are the last T of S positions (a prefill after a cached prefix when T < S):
+    each backend of the one vocabulary gives naive_attention_fp32's output, GQA 3:1."""
+    gen = torch.Generator().manual_seed(T * 10 + S)
+    q = torch.randn(2, 6, T, 16, generator=gen)                           # (B, Hq, T, D)
+    k, v = (torch.randn(2, 2, S, 16, generator=gen) for _ in range(2))     # (B, Hkv, S, D)
+    ref = naive_attention_fp32(q, k, v)
+    for backend in ATTENTION_BACKENDS:
+        torch.testing.assert_close(attention_function(backend)(q, k, v, causal=True), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_an_unknown_attention_backend_is_refused_by_one_check_everywhere(tiny_model):
+    """Llama.forward, forward_fast and LLM share one check, whose error names every allowed value."""
+    from minillm import LLM
+    from minillm.fast_decode import forward_fast, fuse_projections
+    from minillm.kv_cache import KVCache
+    from minillm.positions import RopeTable
+
+    cfg, ids = tiny_model.cfg, torch.tensor([[1, 2, 3]])
+    fast_model = fuse_projections(random_model(cfg, seed=1))
+    rope = RopeTable(cfg.head_dim, cfg.rope_theta, 8, "cpu")
+    calls = (lambda: tiny_model(ids, attention_backend="xformers"),
+             lambda: forward_fast(fast_model, ids, KVCache(cfg, 1, 8), rope, attention_backend="xformers"),
+             lambda: LLM(model=tiny_model, attention_backend="xformers"))
+    for call in calls:
+        with pytest.raises(ValueError, match="'xformers' is not supported; allowed: 'naive' .*'sdpa' .*'flash'"):
+            call()
 
 
 def test_tiny_model_runs_and_is_deterministic(tiny_model):
-    ids = torch.randint(0, 256, (2, 9))
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
     a, b = tiny_model(ids), tiny_model(ids)
     assert a.shape == (2, 9, 256) and torch.equal(a, b)
     assert torch.isfinite(a).all() and a.std() > 0.1
@@ -76,7 +109,7 @@ def test_hf_folder_tiny_llama_and_qwen2(tmp_path, hf_tokenizer, arch):
     hf = _hf_folder_from_tiny(tmp_path, arch, hf_tokenizer)
     ours, _ = load_model(tmp_path, dtype="float32", device="cpu")
     assert ours.cfg.qkv_bias == (arch == "qwen2")
-    ids = torch.randint(0, 256, (2, 33))
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
     assert (ours(ids) - hf(ids).logits).abs().max().item() <= 1e-4
 
 

@@ -1,14 +1,57 @@
-"""Every notebook runs top to bottom on CPU in quick mode (MINILLM_QUICK=1)."""
-import os
+"""Every notebook runs top to bottom on CPU in quick mode (MINILLM_QUICK=1), and every equality
+it prints holds: tokens it says are identical are, values it computes two ways agree.
+The executed copy stays in memory; the committed notebooks are not rewritten."""
+import re
 from pathlib import Path
 
 import pytest
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
+# Printed booleans "<label>: True" (or "<label>=True"): each label must appear, and be True every time.
+PRINTED_SAME = {
+    "02_kv_cache.ipynb": ("identical", "fast path == cached baseline", "same tokens as the baseline"),
+    "06_paged_kv.ipynb": ("identical tokens",),
+    "07_continuous_batching.ipynb": ("first three requests identical to running alone", "same tokens",
+                                     "tokens identical"),
+    "08_speculative_decoding.ipynb": ("identical",),
+}
+# Printed differences between two computations of the same value: (pattern with the number, bound).
+# fp32 throughout: the bounds are rounding, far below any real disagreement.
+PRINTED_CLOSE = {
+    "03_gqa.ipynb": ((r"max \|difference\| = (\S+)", 1e-5),),
+    "04_quantization.ipynb": ((r"twin vs dequantise-then-matmul: max \|diff\| = (\S+)", 1e-4),),
+    "05_flash_attention.ipynb": ((r"max \|flash - autograd\(naive\)\| = (\S+)", 1e-4),),
+}
+# Two printed lines that must show the same digits (a backreference to the first line's values).
+PRINTED_TWICE = {
+    "05_flash_attention.ipynb": (r"online : O = acc / l = (?P<o>\S+) +LSE = m \+ log\(l\) = (?P<lse>\S+)\n"
+                                 r"direct : O = (?P=o) +LSE = (?P=lse)\n",),
+}
 
+
+def printed(nb) -> str:
+    """Everything the code cells wrote to stdout, in order."""
+    return "".join("".join(o.get("text", "")) for c in nb["cells"] if c["cell_type"] == "code"
+                   for o in c.get("outputs", []) if o.get("output_type") == "stream" and o.get("name") == "stdout")
+
+
+def check_printed_equalities(name: str, text: str) -> None:
+    for label in PRINTED_SAME.get(name, ()):
+        said = re.findall(rf"{re.escape(label)}[:=] ?(True|False)\b", text)
+        assert said, f"{name} no longer prints '{label}: <bool>'"
+        assert all(s == "True" for s in said), f"{name}: {label}: {said}"
+    for pattern, bound in PRINTED_CLOSE.get(name, ()):
+        values = [float(v) for v in re.findall(pattern, text)]
+        assert values, f"{name} no longer prints {pattern!r}"
+        assert max(values) <= bound, f"{name}: {pattern!r} gave {values}, bound {bound}"
+    for pattern in PRINTED_TWICE.get(name, ()):
+        assert re.search(pattern, text), f"{name}: the two lines of {pattern!r} disagree or are missing"
+
+
+@pytest.mark.slow                                       # the notebooks load the real model
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs_in_quick_mode(path, monkeypatch):
+def test_notebook_runs_in_quick_mode_and_its_equalities_hold(path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     monkeypatch.setenv("MINILLM_QUICK", "1")
@@ -20,6 +63,25 @@ def test_notebook_runs_in_quick_mode(path, monkeypatch):
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors
+    check_printed_equalities(path.name, printed(nb))
+
+
+def test_the_equality_checks_read_the_committed_outputs_and_can_fail():
+    """The patterns match what the committed notebooks print, and a False or a gap fails them."""
+    nbformat = pytest.importorskip("nbformat")
+    names = {p.name for p in NOTEBOOKS}
+    for name in {*PRINTED_SAME, *PRINTED_CLOSE, *PRINTED_TWICE}:
+        assert name in names, name
+        check_printed_equalities(name, printed(nbformat.read(NOTEBOOKS[0].parent / name, as_version=4)))
+    with pytest.raises(AssertionError, match="same tokens"):
+        check_printed_equalities("07_continuous_batching.ipynb", "first three requests identical to running "
+                                 "alone: True\nsame tokens: False\npreemptions: 4, tokens identical: True\n")
+    with pytest.raises(AssertionError, match="difference"):
+        check_printed_equalities("03_gqa.ipynb", "9 query heads / 3 KV heads: max |difference| = 2.0e-01\n")
+    with pytest.raises(AssertionError, match="disagree"):
+        check_printed_equalities("05_flash_attention.ipynb", "online : O = acc / l = 24.711486   LSE = m + "
+                                 "log(l) = 3.440190\ndirect : O = 24.711487   LSE = 3.440190\n"
+                                 "dq: max |flash - autograd(naive)| = 1e-07\n")
 
 
 def test_every_lesson_has_a_notebook():

@@ -1,8 +1,8 @@
 """The paged block manager: block tables, slot mapping, growth, fork with copy-on-write, free.
 
-Also the torch side of minillm/paged.py on CPU: the store, block copies, the gather-based
-reference and its tiled split-K twin. The Triton kernels are in tests/test_paged_attention.py,
-prefix caching in tests/test_prefix_cache.py.
+Also the torch side, minillm/paged_attention.py, on CPU: the store (int8 too), block copies,
+the gather-based reference and its tiled split-K twin. The Triton kernels are in
+tests/test_paged_attention.py, prefix caching in tests/test_prefix_cache.py.
 
 The property test drives a BlockManager with random sequences of allocate / append / compute /
 fork / free (and, with prefix caching, eviction under memory pressure) next to a shadow KV
@@ -20,10 +20,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from minillm.paged import (
-    BlockManager, OutOfBlocks, allocate_kv_cache, block_table_tensor, copy_blocks, gather_kv,
-    paged_attention_reference, paged_attention_split, store_kv_reference,
+from minillm.block_manager import BlockManager, OutOfBlocks
+from minillm.paged_attention import (
+    allocate_kv_cache, block_table_tensor, copy_blocks, gather_kv, paged_attention_reference,
+    paged_attention_split, store_kv_reference,
 )
+from minillm.quant.kv_int8 import dequantize_kv, quantize_kv
 
 
 def prompt(n, start=100):
@@ -134,7 +136,7 @@ def test_parallel_sampling_keeps_each_branch_kv_right():
         return kv_of[prefix]
 
     def forward(seq, tokens):
-        copy_blocks(k_cache, v_cache, bm.append_slots(seq, tokens))
+        copy_blocks([k_cache, v_cache], bm.append_slots(seq, tokens))
         start = bm.num_computed_tokens(seq)
         rows = torch.stack([kv_row(tuple(tokens[:p + 1])) for p in range(start, len(tokens))])
         store_kv_reference(rows[:, 0], rows[:, 1], k_cache, v_cache,
@@ -330,11 +332,28 @@ def test_store_copy_and_gather():
     store_kv_reference(k, -k, k_cache, v_cache, torch.tensor([5, -1, 2]))
     assert torch.equal(k_cache[2, 1], k[0]) and torch.equal(k_cache[1, 0], k[2])
     assert k_cache.abs().sum() == k[0].sum() + k[2].sum()                 # slot -1 skipped
-    copy_blocks(k_cache, v_cache, [(2, 0)])
+    copy_blocks([k_cache, v_cache], [(2, 0)])
     assert torch.equal(k_cache[0], k_cache[2]) and torch.equal(v_cache[0], v_cache[2])
-    k_seq, v_seq = gather_kv(k_cache, v_cache, torch.tensor([1, 2, 3]), 4)
+    k_seq, v_seq = (x[0, :4] for x in gather_kv(k_cache, v_cache, torch.tensor([[1, 2, 3]])))
     assert k_seq.shape == (4, 1, 3)
     assert torch.equal(k_seq[0], k[2]) and torch.equal(k_seq[3], k[0]) and torch.equal(v_seq[3], -k[0])
+
+
+def test_int8_store_copy_and_gather():
+    """An int8 cache: the store quantises each row once, block copies carry the scales, the
+    gather dequantises; all layers' caches at once copy along block_dim=1."""
+    gen = torch.Generator().manual_seed(0)
+    L, nb, bs, Hkv, D = 2, 4, 2, 2, 8
+    k_cache, v_cache = (torch.zeros(L, nb, bs, Hkv, D, dtype=torch.int8) for _ in range(2))
+    k_scale, v_scale = (torch.zeros(L, nb, bs, Hkv, 1, dtype=torch.float16) for _ in range(2))
+    k, v = torch.randn(3, Hkv, D, generator=gen), torch.randn(3, Hkv, D, generator=gen)   # (T, Hkv, D)
+    store_kv_reference(k, v, k_cache[1], v_cache[1], torch.tensor([2, 3, 4]), k_scale[1], v_scale[1],
+                       skip_padding=False)
+    copy_blocks([k_cache, v_cache, k_scale, v_scale], [(1, 3)], block_dim=1)   # slots 2, 3 -> 6, 7
+    keys, values = gather_kv(k_cache[1], v_cache[1], torch.tensor([[3, 2]]), k_scale[1], v_scale[1])
+    expected_k, expected_v = (dequantize_kv(*quantize_kv(x[None]))[0] for x in (k, v))  # (T, Hkv, D)
+    assert torch.equal(keys[0, :3], expected_k) and torch.equal(values[0, :3], expected_v)
+    assert not k_cache[0].any()                                           # layer 0 untouched
 
 
 def test_block_table_tensor_pads():

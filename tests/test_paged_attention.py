@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels.paged_attention import paged_attention_decode, store_kv  # noqa: E402
-from minillm.paged import (  # noqa: E402
+from minillm.paged_attention import (  # noqa: E402
     allocate_kv_cache, block_table_tensor, paged_attention_reference, store_kv_reference,
 )
 

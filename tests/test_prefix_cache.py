@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from minillm.paged import BlockManager, OutOfBlocks
+from minillm.block_manager import BlockManager, OutOfBlocks
 from minillm.prefix_cache import ROOT_HASH, PrefixCache, chain_hashes, hash_block
 
 

@@ -5,7 +5,8 @@ import copy
 import pytest
 import torch
 
-from minillm.model import random_model, rope_cos_sin, tiny_config
+from minillm.model import random_model, tiny_config
+from minillm.positions import rope_cos_sin
 from minillm.quant import int4, load_quantized, quantize_model, save_quantized
 from minillm.quant.awq import (apply_clip, awq_block, block_inputs, fold_into_linear, fold_into_norm,
                                search_clip, search_scales)
@@ -100,7 +101,6 @@ def test_awq_block_and_model_end_to_end(tmp_path):
     assert torch.equal(again(held_out), model(held_out))        # folded norms are saved too
 
 
-@pytest.mark.slow
 @torch.no_grad()
 def test_smollm2_first_blocks_awq(llm):
     """On the real model's first two blocks: the searched scales fold without changing the

@@ -8,7 +8,7 @@ from minillm.quant import calibration_windows, int4, quantize_model, save_quanti
 from minillm.quant.gptq import HessianAccumulator, gptq_quantize
 from minillm.quant.linear import QuantLinear
 from minillm.quant.sequential import SUBLAYER_GROUPS, capture_inputs
-from minillm.model import rope_cos_sin
+from minillm.positions import rope_cos_sin
 
 
 def _layer_problem(out_f=48, in_f=160, n=600, seed=0, dtype=torch.float64):
@@ -79,7 +79,6 @@ def test_quantize_model_gptq_tiny_end_to_end(tmp_path):
     assert torch.equal(again(held_out), model(held_out))
 
 
-@pytest.mark.slow
 @torch.no_grad()
 def test_smollm2_linears_gptq_error_at_most_rtn_on_held_out_activations(llm):
     """For every linear of blocks 0 and 10 (14 of the 210: blocks 0, 10, 20, 29 passed too but took

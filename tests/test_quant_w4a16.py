@@ -12,12 +12,14 @@ import os
 import pytest
 import torch
 
+from helpers import count_calls
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.w4a16 import w4a16_linear, w4a16_matmul  # noqa: E402
+from kernels.w4a16 import w4a16_matmul  # noqa: E402
 from minillm.quant import quantize_linear  # noqa: E402
-from minillm.quant.w4a16 import operands, supports, w4a16_matmul_torch  # noqa: E402
+from minillm.quant.w4a16 import operands, supports, w4a16_linear, w4a16_matmul_torch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -92,8 +94,15 @@ def test_unsupported_layers_and_bad_inputs():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="QuantLinear uses the fused kernel only on CUDA")
-def test_quant_linear_uses_the_kernel_on_cuda():
+def test_quant_linear_uses_the_kernel_on_cuda(monkeypatch):
+    """The kernel launch is counted: dequantise-then-matmul would give the same numbers."""
+    import kernels.w4a16 as kernel_module
+    import minillm.quant.linear as linear_module
+    import minillm.quant.w4a16 as twin_module
+
+    kernel_calls = count_calls(monkeypatch, "w4a16_matmul", kernel_module, twin_module, linear_module)
     layer = _layer("int4", {"group_size": 128}, 256).cuda()
-    x = torch.randn(4, 256, device="cuda", dtype=torch.float16)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1)).to("cuda", torch.float16)
     ref = x @ layer.dequantize().half().T
     assert torch.allclose(layer(x), ref, atol=2e-2, rtol=1e-2)
+    assert len(kernel_calls) == 1

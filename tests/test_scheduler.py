@@ -1,8 +1,8 @@
 """The scheduler alone: plain Python, no model. Tokens 'sampled' here are fake (always 7)."""
 import pytest
 
+from minillm.block_manager import BlockManager
 from minillm.outputs import RequestMetrics
-from minillm.paged import BlockManager
 from minillm.request import Request, RequestStatus
 from minillm.sampling import SamplingParams
 from minillm.scheduler import Scheduler

@@ -3,6 +3,7 @@ rejection sampler's output distribution is the target's (chi-square, vLLM's conv
 import pytest
 import torch
 
+from helpers import CharTokenizer
 from minillm import LLM, SamplingParams
 from minillm.model import random_model, tiny_config
 from minillm.sampling import filtered_probs
@@ -66,14 +67,6 @@ def _near_one_hot(k):
 
 CASES = {"random": _random_pair, "p_equals_q": _equal_pair, "draft_outside_support": _draft_outside_support,
          "near_one_hot": _near_one_hot}
-
-
-class CharTokenizer:
-    """Just enough tokenizer for the tiny random model: id -> one printable character."""
-    eos_token_id = 2
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(33 + i % 90) for i in ids if not (skip_special_tokens and i == self.eos_token_id))
 
 
 class TinyLLM(LLM):

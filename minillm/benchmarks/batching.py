@@ -6,7 +6,7 @@ passage of Python's documentation; prompt lengths log-uniform in [16, 512] token
 lengths log-uniform in [16, 256] tokens. Quick mode shrinks all of it.
 
 Systems (SYSTEMS below), all in one dtype (`--dtype`, bfloat16 by default: this CPU multiplies
-bf16 matrices with AMX, ~9x its fp32 GEMM rate, so bf16 is how one would serve on it; every
+bf16 matrices with AMX, several times its fp32 GEMM rate, so bf16 is how one would serve on it; every
 system, transformers included, runs in the same dtype). They separate three effects that a
 single "continuous vs static" ratio mixes:
   1. scheduling at the same maximum batch: continuous_16 vs hf_batched and static (16 rows each);
@@ -291,7 +291,7 @@ def run(quick: bool, dtype: str = "bfloat16") -> dict:
                                   for knob, values in KNOBS for value in values if value != CENTER[knob]}
     engines = {**whole, **knob_llms}
     repeats = 0 if quick else KNOB_REPEATS
-    # Interleaved rounds: this VM's speed drifts by up to +-30% over minutes, so no system may run
+    # Interleaved rounds: this VM's speed drifts over minutes, so no system may run
     # all of its work in a different stretch of time from the others. Round r runs slice r of the
     # workload (HF_BATCH requests) through the `sliced` systems and the WHOLE workload through the
     # `whole` ones (and the knob settings, in the first KNOB_REPEATS rounds), every other round in

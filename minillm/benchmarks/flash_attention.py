@@ -50,11 +50,11 @@ def _rss_kib(field: str) -> int:
 
 def _child(method: str, n: int, heads: int, head_dim: int, repeats: int) -> None:
     """Runs in a fresh process: print {"peak_bytes", "seconds"} for one causal forward."""
-    from minillm.flash_attention import flash_attention_torch, naive_attention
+    from minillm.flash_attention import flash_attention_torch, naive_attention_in_dtype
 
     def attend(q, k, v):
         if method == "naive":
-            return naive_attention(q, k, v, causal=True)
+            return naive_attention_in_dtype(q, k, v, causal=True)
         return flash_attention_torch(q, k, v, causal=True, block_m=CPU_BLOCK, block_n=CPU_BLOCK)
 
     small = [torch.randn(1, heads, 64, head_dim) for _ in range(3)]
@@ -83,7 +83,7 @@ def measure_cpu(method: str, n: int, heads: int, head_dim: int, repeats: int, tr
 
 def saved_for_backward_bytes(method: str, n: int, heads: int, head_dim: int) -> int:
     """Bytes of the tensors autograd keeps from forward to backward (distinct storages, inputs included)."""
-    from minillm.flash_attention import flash_attention, naive_attention
+    from minillm.flash_attention import flash_attention, naive_attention_in_dtype
 
     q, k, v = (torch.randn(1, heads, n, head_dim, requires_grad=True) for _ in range(3))   # (1, H, N, D)
     storages = {}
@@ -94,7 +94,7 @@ def saved_for_backward_bytes(method: str, n: int, heads: int, head_dim: int) -> 
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         if method == "naive":
-            naive_attention(q, k, v, causal=True)
+            naive_attention_in_dtype(q, k, v, causal=True)
         else:
             flash_attention(q, k, v, causal=True, backend="torch")
     return sum(storages.values())
@@ -125,13 +125,13 @@ def measure_gpu(quick: bool) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kernels.flash_attention import triton_flash_attention_forward
-    from minillm.flash_attention import naive_attention
+    from minillm.flash_attention import naive_attention_in_dtype
 
     def sdpa(q, k, v, causal):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    methods = {"naive": lambda q, k, v, c: naive_attention(q, k, v, c),
+    methods = {"naive": lambda q, k, v, c: naive_attention_in_dtype(q, k, v, c),
                "sdpa_flash": sdpa,
                "triton": lambda q, k, v, c: triton_flash_attention_forward(q, k, v, c)[0]}
     rows = []

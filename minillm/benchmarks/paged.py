@@ -35,8 +35,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..block_manager import BlockManager
 from ..kv_cache import kv_cache_bytes
-from ..paged import BlockManager, block_table_tensor
+from ..paged_attention import block_table_tensor
 from .common import document, time_median
 
 NAME = "paged"

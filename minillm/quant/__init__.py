@@ -49,6 +49,8 @@ def linear_layers(model) -> dict[str, nn.Linear]:
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put `new` where model's submodule `name` (dotted, e.g. "layers.3.attn.wq" or, within a
+    block, "attn.wq") is. The one way every quantiser swaps a layer."""
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name), child, new)
 

@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from . import int4
-from .linear import QuantLinear
+from . import int4, quantize_linear, replace_module
 from .sequential import calibrate_sequentially, capture_inputs
 
 N_GRID = 20                 # alpha in {0, 1/20, ..., 19/20}
@@ -165,10 +164,8 @@ def quantize_model_awq(model, ids: torch.Tensor, *, bits: int = 4, group_size: i
         model.awq_alphas.append(awq_block(block, h, cos, sin, bits=bits, group_size=group_size,
                                           symmetric=symmetric, n_grid=n_grid))
         for name, linear in list(block.named_modules()):
-            if type(linear) is torch.nn.Linear:
-                tensors = int4.quantize(linear.weight.detach(), bits, group_size, symmetric)
-                parent, _, child = name.rpartition(".")
-                setattr(block.get_submodule(parent), child,
-                        QuantLinear.from_linear(linear, "int", tensors, {"bits": bits, "group_size": group_size}))
+            if type(linear) is torch.nn.Linear:                  # scaled and clipped: plain RTN from here
+                replace_module(block, name, quantize_linear(linear, "int4", bits=bits, group_size=group_size,
+                                                            symmetric=symmetric))
 
     return calibrate_sequentially(model, ids, quantize_block, progress)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from . import int4
+from . import int4, replace_module
 from .linear import QuantLinear
 from .sequential import SUBLAYER_GROUPS, calibrate_sequentially, capture_inputs
 
@@ -137,8 +137,7 @@ def quantize_model_gptq(model, ids: torch.Tensor, *, bits: int = 4, group_size: 
                 codes, s, z, perm = gptq_quantize(linear.weight, acc[name].hessian(), bits=bits, group_size=group_size,
                                                   symmetric=symmetric, blocksize=blocksize, damp=damp, act_order=act_order)
                 tensors = int4.encode(codes, s, z, bits, symmetric, perm)
-                parent, _, child = name.rpartition(".")
-                setattr(block.get_submodule(parent), child,
-                        QuantLinear.from_linear(linear, "int", tensors, {"bits": bits, "group_size": group_size}))
+                replace_module(block, name, QuantLinear.from_linear(linear, "int", tensors,
+                                                                    {"bits": bits, "group_size": group_size}))
 
     return calibrate_sequentially(model, ids, quantize_block, progress)

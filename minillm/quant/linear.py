@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import int4, int8, nf4
+from .w4a16 import supports, w4a16_linear
 
 DEQUANTIZE = {"int8": int8.dequantize, "int": int4.dequantize, "nf4": nf4.dequantize}
 
@@ -50,7 +51,6 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:    # (..., in) -> (..., out)
         if x.is_cuda and _fused_available(self):
-            from kernels.w4a16 import w4a16_linear
             return w4a16_linear(x, self)
         w = self.dequantize().to(x.dtype)                    # (out, in): exists only for this call
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
@@ -66,7 +66,7 @@ class QuantLinear(nn.Module):
 def _fused_available(layer: QuantLinear) -> bool:
     """The Triton kernel handles 4-bit int (without act-order perm) and NF4 without double quant."""
     try:
-        from kernels.w4a16 import supports
+        import kernels.w4a16  # noqa: F401  (needs triton)
     except ImportError:
         return False
     return supports(layer)

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..model import rope_cos_sin
+from ..positions import rope_cos_sin
 
 SUBLAYER_GROUPS = (("attn.wq", "attn.wk", "attn.wv"), ("attn.wo",), ("ffn.w_gate", "ffn.w_up"), ("ffn.w_down",))
 

@@ -11,20 +11,15 @@ of interleaving them back, split x the same way and do two half-size products:
 W_even / W_odd are dequantised on the fly from the tile's codes and the group's scale (and zero
 point, or the NF4 code table). The full-precision W never exists: on a GPU only the packed
 bytes are read from memory, 4x fewer than fp16 weights, which is what decode is bound by.
+
+A QuantLinear reaches the kernel through operands (its tensors in the matmul's terms) and
+w4a16_linear; the tile width comes from minillm/kernel_args.py, shared with the kernel.
 """
 from __future__ import annotations
 
 import torch
 
-MODES = {"int-sym": 0, "int-zero": 1, "nf4": 2}
-
-
-def tile_k(group: int) -> int:
-    """Largest tile width in (128, 64, 32) that divides the group (a tile never spans two groups)."""
-    for bk in (128, 64, 32):
-        if group % bk == 0:
-            return bk
-    raise ValueError(f"group / block size {group} must be a multiple of 32 for the fused 4-bit matmul")
+from ..kernel_args import w4a16_tile_k
 
 
 def dequant_tile(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, code: torch.Tensor | None) -> torch.Tensor:
@@ -41,7 +36,7 @@ def w4a16_matmul_torch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     code (16,) for NF4 or None -> y (M, N) in x.dtype."""
     M, K = x.shape
     N = packed.shape[0]
-    block_k = block_k or tile_k(group)
+    block_k = block_k or w4a16_tile_k(group)
     acc = torch.zeros(M, N, dtype=torch.float32, device=x.device)            # (M, N)
     for k0 in range(0, K, block_k):
         k1 = min(k0 + block_k, K)
@@ -74,3 +69,20 @@ def supports(layer) -> bool:
     if layer.fmt == "nf4":
         return layer.params["block"] % 32 == 0 and layer.in_features % layer.params["block"] == 0
     return False
+
+
+def w4a16_linear(x: torch.Tensor, layer) -> torch.Tensor:
+    """QuantLinear forward with the fused Triton kernel: x (..., in) -> (..., out)."""
+    from kernels.w4a16 import w4a16_matmul
+
+    ops = operands(layer)
+    x2 = x.reshape(-1, x.shape[-1])                                  # (M, K)
+    if ops["perm"] is not None:                                      # act-order codes: permute x instead of W
+        x2 = x2[:, ops["perm"].long()]
+    zero = ops["zero"]
+    if zero is not None and zero.stride() != ops["scale"].stride():
+        zero = zero.contiguous()
+    y = w4a16_matmul(x2.contiguous(), ops["packed"], ops["scale"].contiguous(), zero, ops["code"], group=ops["group"])
+    if layer.bias is not None:
+        y = y + layer.bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], -1)

@@ -1,25 +1,9 @@
 """Lab gqa: grouped attention must not materialise Hq/Hkv copies of K or V."""
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import LargestNewTensor
 from minillm.gqa import grouped_attention
-from minillm.model import naive_attention
-
-
-class LargestNewTensor(TorchDispatchMode):
-    """Records the largest tensor any operation creates (views share memory: not counted)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view:
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    self.largest = max(self.largest, t.numel())
-        return out
+from minillm.model import naive_attention_fp32
 
 
 def test_grouped_attention_copies_no_kv_head():
@@ -31,8 +15,8 @@ def test_grouped_attention_copies_no_kv_head():
     allowed = max(q.numel(), k.numel(), B * Hq * T * S)         # q, one K, or the score matrix
     with LargestNewTensor() as seen:
         out = grouped_attention(q, k, v, mask)
-    assert (out - naive_attention(q, k, v, causal=True)).abs().max() <= 1e-5
+    assert (out - naive_attention_fp32(q, k, v, causal=True)).abs().max() <= 1e-5
     assert seen.largest <= allowed, f"a tensor of {seen.largest} values (repeated K/V?); at most {allowed} allowed"
     with LargestNewTensor() as baseline:                       # the test can fail: the baseline copies
-        naive_attention(q, k, v, causal=True)
+        naive_attention_fp32(q, k, v, causal=True)
     assert baseline.largest >= B * Hq * S * D > allowed

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 import minillm.prefix_cache as prefix_cache
-from minillm.paged import BlockPool, OutOfBlocks
+from minillm.block_manager import BlockPool, OutOfBlocks
 from minillm.prefix_cache import ROOT_HASH, PrefixCache, hash_block
 
 

@@ -9,7 +9,7 @@ and the article's MQA / GQA section.
 import os
 import torch
 from minillm.gqa import grouped_attention, convert_kv_heads
-from minillm.model import naive_attention
+from minillm.model import naive_attention_fp32
 from minillm.benchmarks.gqa import kv_table, max_batch
 from minillm import LLM
 from minillm.evaluate import perplexity
@@ -26,7 +26,7 @@ into the query axis instead: same numbers, each K/V head read once.
 for hq, hkv in [(9, 9), (9, 3), (9, 1)]:
     q, k, v = torch.randn(1, hq, 6, 64), torch.randn(1, hkv, 40, 64), torch.randn(1, hkv, 40, 64)
     mask = torch.ones(6, 40, dtype=torch.bool).tril(34)[None, None]
-    err = (grouped_attention(q, k, v, mask) - naive_attention(q, k, v)).abs().max().item()
+    err = (grouped_attention(q, k, v, mask) - naive_attention_fp32(q, k, v)).abs().max().item()
     print(f"{hq} query heads / {hkv} KV heads: max |difference| = {err:.1e}")
 """),
 ("md", r"""

@@ -20,7 +20,8 @@ from minillm.quant.gptq import HessianAccumulator, gptq_quantize
 from minillm.quant.awq import block_inputs, search_scales
 from minillm.quant.kv_int8 import quantize_kv, dequantize_kv, kv_bytes
 from minillm.quant.sequential import SUBLAYER_GROUPS, capture_inputs
-from minillm.model import rope_cos_sin, naive_attention
+from minillm.model import naive_attention_fp32
+from minillm.positions import rope_cos_sin
 from minillm.benchmarks.common import machine_info
 
 QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
@@ -144,8 +145,8 @@ with torch.no_grad():
     q_, k_, v_ = block.attn.project_qkv(block.attn_norm(h_held), cos, sin)    # real q, k, v of one block
     for name, (k_in, v_in) in {"real K/V (block %d)" % target: (k_, v_)}.items():
         kq, ks = quantize_kv(k_in); vq, vs = quantize_kv(v_in)
-        ref = naive_attention(q_, k_in, v_in)
-        out = naive_attention(q_, dequantize_kv(kq, ks), dequantize_kv(vq, vs))
+        ref = naive_attention_fp32(q_, k_in, v_in)
+        out = naive_attention_fp32(q_, dequantize_kv(kq, ks), dequantize_kv(vq, vs))
         print(f"{name}: attention output relative error {((out - ref).norm() / ref.norm()).item():.4f}; "
               f"bytes vs fp16 {kv_bytes(kq, ks) / (k_in.numel() * 2):.3f}")
         values["kv int8"] = {"relative_error": ((out - ref).norm() / ref.norm()).item(),

@@ -12,7 +12,7 @@ import os, time, math
 import torch
 import matplotlib.pyplot as plt
 from minillm import LLM, SamplingParams
-from minillm.paged import BlockManager
+from minillm.block_manager import BlockManager
 from minillm.benchmarks.common import machine_info
 QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
 device = "cuda" if torch.cuda.is_available() else "cpu"

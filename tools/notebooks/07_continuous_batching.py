@@ -14,7 +14,7 @@ import torch
 import matplotlib.pyplot as plt
 from minillm import LLM, SamplingParams
 from minillm.outputs import RequestMetrics
-from minillm.paged import BlockManager
+from minillm.block_manager import BlockManager
 from minillm.request import Request
 from minillm.scheduler import Scheduler
 from minillm.benchmarks.common import machine_info

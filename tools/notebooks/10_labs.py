@@ -90,7 +90,7 @@ result = labs.self_check("flash_triton", quick=QUICK)
 ("md", r"""
 ## 07 · paged_blocks: the block pool and prefix caching
 
-Write `BlockPool.allocate / acquire / release` in `minillm/paged.py` and `hash_block`,
+Write `BlockPool.allocate / acquire / release` in `minillm/block_manager.py` and `hash_block`,
 `chain_hashes`, `PrefixCache.match`, `PrefixCache.evict` in `minillm/prefix_cache.py`
 ([handout](../lessons/labs/07-paged_blocks.md)).
 """),

@@ -1,4 +1,5 @@
-"""Paged KV cache: fixed-size blocks handed out on demand, like pages of virtual memory.
+"""Block manager of the paged KV cache: fixed-size blocks handed out on demand, like pages of
+virtual memory.
 
 A contiguous KV cache reserves max_model_len token slots per request up front; most of that
 memory holds nothing, because most requests stop long before max_model_len. Paging (vLLM's
@@ -10,8 +11,10 @@ block table:
     position p  ->  block_table[p // block_size], offset p % block_size
     slot        =   physical_block * block_size + offset     # a row of the cache viewed flat
 
-The bookkeeping is plain Python (this file, no tensors); the K/V tensors live in the model
-runner as k_cache, v_cache of shape (num_blocks, block_size, Hkv, D) per layer.
+The bookkeeping is plain Python (this file, no tensors); the K/V tensors, their store through
+the slot mapping, block copies and attention over block tables are in minillm/paged_attention.py,
+and the model runner holds them as k_cache, v_cache of shape (num_blocks, block_size, Hkv, D)
+per layer.
 
 API (driven by a scheduler, vLLM v1 style: each request's num_computed_tokens catches up
 with its num_tokens; preemption by recompute is free() and a later allocate()):
@@ -35,10 +38,6 @@ with its num_tokens; preemption by recompute is free() and a later allocate()):
 
 Bad arguments raise ValueError; running out of blocks raises OutOfBlocks (check with
 can_allocate / can_append_slots first, and preempt if they say no).
-
-Below the manager: the torch side, a store through the slot mapping, block copies for
-copy-on-write, and paged attention references (a gather-based one and a tiled split-K twin of
-the Triton kernel in kernels/paged_attention.py).
 """
 from __future__ import annotations
 
@@ -46,8 +45,6 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
-
-import torch
 
 from minillm.prefix_cache import ROOT_HASH, PrefixCache, chain_hashes
 
@@ -307,155 +304,3 @@ class BlockManager:
         shared = [i for i in range(first_written, last) if self.pool.ref_counts[seq.blocks[i]] > 1]
         grow = max(0, self._num_blocks_for(num_tokens) - len(seq.blocks))
         return grow + len(shared), shared
-
-
-# ---------------------------------------------------------------------------------------
-# The torch side. Layout of one layer's cache: k_cache, v_cache (num_blocks, block_size, Hkv, D).
-# Why this order (vLLM's flash-attention layout): a token's K for all heads is one contiguous
-# row of Hkv*D numbers, exactly the (T, Hkv, D) that the K projection produces, so the store is
-# a row scatter and `cache.view(-1, Hkv, D)[slot]` is the token at `slot`; for one head, a
-# block is block_size rows of D contiguous numbers, which the decode kernel loads as a tile.
-# ---------------------------------------------------------------------------------------
-
-def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Zeroed k_cache, v_cache, each (num_blocks, block_size, Hkv, D)."""
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return (torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device))
-
-
-def block_table_tensor(tables: Sequence[Sequence[int]], device: str | torch.device = "cpu") -> torch.Tensor:
-    """Pad block tables to one (B, max_blocks) int32 tensor (the padding is never read)."""
-    width = max([1, *map(len, tables)])
-    out = torch.zeros(len(tables), width, dtype=torch.int32)
-    for row, table in zip(out, tables):
-        row[:len(table)] = torch.tensor(table, dtype=torch.int32)
-    return out.to(device)
-
-
-def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write k, v (T, Hkv, D) into the caches at slot_mapping (T,); slot -1 is padding, skipped."""
-    keep = slot_mapping >= 0                                        # (T,)
-    slots = slot_mapping[keep].long()                               # (T',)
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
-
-
-def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, copies: Sequence[tuple[int, int]]) -> None:
-    """Carry out BlockManager.append_slots' copy-on-write pairs (src, dst) on one layer's cache."""
-    if not copies:
-        return
-    src = torch.tensor([s for s, _ in copies], device=k_cache.device)
-    dst = torch.tensor([d for _, d in copies], device=k_cache.device)
-    k_cache[dst] = k_cache[src]
-    v_cache[dst] = v_cache[src]
-
-
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """cache (num_blocks, block_size, *row), block_tables (B, n) -> (B, n * block_size, *row).
-
-    Whole blocks are copied (one index_select of block_size contiguous rows each), not single
-    slots: on CPU this moves the same bytes ~3x faster than indexing slot by slot. Positions
-    past a sequence's length (the rest of its last block, padding blocks) hold stale data and
-    must be masked. `out` (B * n, block_size, *row) lets all layers reuse one buffer.
-    """
-    B, n = block_tables.shape
-    blocks = torch.index_select(cache, 0, block_tables.reshape(-1), out=out)   # (B*n, bs, *row)
-    return blocks.view(B, n * cache.shape[1], *cache.shape[2:])
-
-
-def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
-    """One sequence's K, V as contiguous (seq_len, Hkv, D) tensors (a copy)."""
-    blocks = block_table[None, :math.ceil(seq_len / k_cache.shape[1])]   # (1, nb)
-    return gather_blocks(k_cache, blocks)[0, :seq_len], gather_blocks(v_cache, blocks)[0, :seq_len]
-
-
-def check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q must be (B, Hq, D), got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError("k_cache and v_cache must both be (num_blocks, block_size, Hkv, D), got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    B, Hq, D = q.shape
-    if k_cache.shape[3] != D:
-        raise ValueError(f"head_dim of q ({D}) and k_cache ({k_cache.shape[3]}) differ")
-    if Hq % k_cache.shape[2]:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({k_cache.shape[2]})")
-    if block_tables.dim() != 2 or block_tables.shape[0] != B or tuple(seq_lens.shape) != (B,):
-        raise ValueError(f"block_tables must be (B={B}, max_blocks) and seq_lens (B={B},), got "
-                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
-
-
-def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                              sm_scale: float) -> torch.Tensor:
-    """Decode attention over a paged cache, the simple way: gather, then plain softmax.
-
-    q (B, Hq, D): one new token per sequence; block_tables (B, max_blocks); seq_lens (B,)
-    tokens in the cache for each sequence (0 gives a zero output). Query head h reads KV
-    head h // (Hq // Hkv). Computed in fp32, returned as (B, Hq, D) in q's dtype.
-    """
-    check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens)
-    group = q.shape[1] // k_cache.shape[2]
-    out = torch.zeros_like(q)                                        # (B, Hq, D)
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        if seq_len == 0:
-            continue
-        k, v = gather_kv(k_cache, v_cache, block_tables[b], seq_len)     # (L, Hkv, D)
-        k = k.float().repeat_interleave(group, dim=1)                    # (L, Hq, D)
-        v = v.float().repeat_interleave(group, dim=1)                    # (L, Hq, D)
-        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * sm_scale  # (Hq, L)
-        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v).to(q.dtype)
-    return out
-
-
-def paged_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
-                          num_splits: int = 1, tile: int = 16) -> torch.Tensor:
-    """The Triton decode kernel's algorithm in PyTorch (its twin: same tiles, same merge).
-
-    For each sequence and KV head, the query heads that share the KV head form one
-    (group, D) tile. The sequence is cut into num_splits segments (flash-decoding: more
-    parallel work when the batch is small and the context long); each segment walks its
-    positions `tile` at a time, looks each position's block up in the block table (no
-    gather of the whole sequence), and keeps an online softmax (running max m, sum l,
-    accumulator acc). Segments are merged through their log-sum-exp.
-    """
-    check_paged_attention_args(q, k_cache, v_cache, block_tables, seq_lens)
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    B, Hq, D = q.shape
-    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
-    group = Hq // Hkv
-    out = torch.zeros_like(q)                                            # (B, Hq, D)
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        qg = q[b].float().view(Hkv, group, D) * sm_scale                 # (Hkv, G, D)
-        seg_len = math.ceil(math.ceil(seq_len / num_splits) / tile) * tile
-        partials, lses = [], []
-        for start in range(0, seq_len, max(seg_len, 1)):
-            m = torch.full((Hkv, group), -math.inf, device=q.device)     # running max
-            l = torch.zeros(Hkv, group, device=q.device)                 # running sum of exp
-            acc = torch.zeros(Hkv, group, D, device=q.device)            # running sum of p @ v
-            for t0 in range(start, min(start + seg_len, seq_len), tile):
-                pos = torch.arange(t0, min(t0 + tile, seq_len, start + seg_len), device=block_tables.device)  # (N,)
-                blocks = block_tables[b, pos // block_size].long()      # (N,) the page walk
-                k = k_cache[blocks, pos % block_size].float()            # (N, Hkv, D)
-                v = v_cache[blocks, pos % block_size].float()            # (N, Hkv, D)
-                s = torch.einsum("hgd,nhd->hgn", qg, k)                  # (Hkv, G, N)
-                m_new = torch.maximum(m, s.amax(-1))                     # (Hkv, G)
-                p = torch.exp(s - m_new[..., None])                      # (Hkv, G, N)
-                alpha = torch.exp(m - m_new)                             # rescales the old state
-                l = l * alpha + p.sum(-1)
-                acc = acc * alpha[..., None] + torch.einsum("hgn,nhd->hgd", p, v)
-                m = m_new
-            partials.append(acc / l[..., None])                          # (Hkv, G, D) normalised
-            lses.append(m + torch.log(l))                                # (Hkv, G)
-        if not partials:
-            continue                                                     # seq_len 0: zeros
-        lse = torch.stack(lses)                                          # (S, Hkv, G)
-        weights = torch.exp(lse - lse.amax(0))                           # exp(lse_i - lse_max)
-        merged = (weights[..., None] * torch.stack(partials)).sum(0) / weights.sum(0)[..., None]
-        out[b] = merged.view(Hq, D).to(q.dtype)
-    return out

@@ -1,0 +1,69 @@
+"""Where each token sits: RoPE and the causal mask, shared by every forward pass.
+
+RoPE (rotary position embedding) rotates each *interleaved* pair (x[2i], x[2i+1]) of a query or
+key head by the angle position * theta^(-2i / D), so that the score q . k depends on the two
+positions only through their difference. Interleaved pairs are how GGUF stores the q/k rows
+(HF-format weights are permuted into this layout by the loader). One frequency table
+(rope_frequencies), and the same rotation written two ways:
+
+    apply_rope(x, cos, sin)           real arithmetic on the (even, odd) halves: the baseline
+                                      model, the KV cache, and the compiled decode step (Inductor
+                                      generates no complex arithmetic)
+    apply_rope_complex(x, rotation)   the pairs as complex numbers, ONE multiply by e^{i*angle}
+                                      from a RopeTable computed once: the fast batch-1 path and the
+                                      model runner, q and k together (lesson 02: fewer small ops)
+
+    (even + i*odd) * (cos + i*sin) = (even*cos - odd*sin) + i*(even*sin + odd*cos)
+
+causal_mask(T, S): the T new queries are the last T of S positions (a prefill after S - T cached
+tokens), and query t, at position S - T + t, sees keys 0 .. S - T + t.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def rope_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """theta^(-2i / head_dim) for i = 0 .. head_dim/2 - 1, fp32 (head_dim/2,): pair i turns by
+    position * this."""
+    return theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
+    """cos, sin of shape (..., head_dim // 2) for integer positions (...)."""
+    angles = positions.float()[..., None] * rope_frequencies(head_dim, theta, positions.device)   # (..., hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) by the angle of their position.
+    x: (..., hd); cos, sin broadcast against (..., hd/2), e.g. x (B, H, T, hd) with cos, sin
+    (B, 1, T, hd/2) or (T, hd/2). Computed in fp32, returned in x's dtype."""
+    xf = x.float()
+    x_even, x_odd = xf[..., 0::2], xf[..., 1::2]             # (..., hd/2) each
+    rot_even = x_even * cos - x_odd * sin
+    rot_odd = x_even * sin + x_odd * cos
+    return torch.stack((rot_even, rot_odd), dim=-1).flatten(-2).type_as(x)
+
+
+class RopeTable:
+    """RoPE angles for every position up to max_len, computed once, as unit complex numbers:
+    rotation = cos + i sin, (max_len, D/2) complex64."""
+
+    def __init__(self, head_dim: int, theta: float, max_len: int, device):
+        cos, sin = rope_cos_sin(torch.arange(max_len, device=device), head_dim, theta)   # (max_len, D/2) each
+        self.rotation = torch.complex(cos, sin)
+
+
+def apply_rope_complex(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """apply_rope as one complex multiply: x (..., H, D), rotation (..., 1, D/2) complex (rows of
+    a RopeTable), broadcast over heads. Computed in fp32, returned in x's dtype."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))       # (..., H, D/2)
+    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
+
+
+def causal_mask(num_queries: int, num_keys: int, device=None) -> torch.Tensor:
+    """(T, S) bool, True where query t may attend to key s: the T queries are the last T of the
+    S positions, so query t sees keys 0 .. S - T + t."""
+    T, S = num_queries, num_keys
+    return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
