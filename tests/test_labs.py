@@ -41,6 +41,21 @@ def test_every_lab_has_regions_handout_tests_and_a_notebook_cell():
     assert (REPO / "lessons" / "labs" / "README.md").is_file()
 
 
+def test_every_test_a_lab_names_is_collected():
+    """A renamed test must not silently turn a task into 'no such test' at grading time."""
+    import fnmatch
+
+    named = {test for lab in labs.LABS.values() for task in lab.tasks for test in task.tests}
+    files = sorted({test.split("::")[0] for test in named})
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", *files],
+                         cwd=REPO, capture_output=True, text=True, timeout=300).stdout
+    collected = [line.split("[")[0] for line in out.splitlines() if "::" in line]
+    missing = sorted(test for test in named        # a node id names a test, or a class of tests
+                     if not any(fnmatch.filter(collected, pattern)
+                                for pattern in (test.split("[")[0], test.split("[")[0] + "::*")))
+    assert not missing, missing
+
+
 def test_no_marker_sits_outside_a_registered_lab_and_every_region_has_a_hint():
     for region in labs.find_regions(REPO):
         assert region.lab in labs.LABS and region.hint, str(region)

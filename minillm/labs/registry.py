@@ -116,7 +116,7 @@ LABS: dict[str, Lab] = {lab.name: lab for lab in [
             QF + "test_nf4_bits_per_parameter_with_and_without_double_quant"),
          _t("model", "quantised linear layers compute x @ dequant(W); a whole model quantises and round-trips to disk",
             QF + "test_quant_linear_computes_x_times_dequantised_weight",
-            QF + "test_quantize_model_replaces_linears_and_save_load_roundtrip")),
+            QF + "test_quantize_model_equals_the_dequantised_float_model_and_save_load_roundtrip")),
         ("NF4 on N(0, 1) weights, block 64: mean |error| 0.0728 (bitsandbytes' bound 0.0733), mean relative error 0.204 "
          "(bound 0.2057); int4 absmax on the same blocks: 0.0914",
          "RTN: every error <= half a step (plus the fp16 rounding of the scale)",
