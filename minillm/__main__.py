@@ -1,4 +1,4 @@
-"""Command line: python -m minillm {generate, bench, demo, serve, lab} ...  (`--help` on each)."""
+"""Command line: python -m minillm {generate, bench, demo, serve, figures, lab, quiz} ...  (`--help` on each)."""
 from __future__ import annotations
 
 import argparse
@@ -63,6 +63,19 @@ def _serve(args) -> None:
     serve(llm, host=args.host, port=args.port, served_model_name=name, api_key=args.api_key, **limits)
 
 
+def _figures(args) -> None:
+    from .figures import draw_all
+
+    for path in draw_all(args.out, quick=args.quick):
+        print(f"wrote {path}")
+
+
+def _quiz(args) -> None:
+    from .quiz import BANK, run
+
+    run(lesson=args.lesson, seed=args.seed, lang=args.lang, bank=args.bank or BANK)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -120,8 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "(keep it above the longest step: one prefill of --max-num-batched-tokens; default 60)")
     s.set_defaults(func=_serve)
 
+    f = sub.add_parser("figures", help="redraw the lessons' concept figures (lessons/figures/*.png)")
+    f.add_argument("--out", default=None, help="folder to write them to (default: lessons/figures)")
+    f.add_argument("--quick", action="store_true", help="a tiny random model for the speculative run")
+    f.set_defaults(func=_figures)
+
     from .labs import add_lab_parser
     add_lab_parser(sub)                     # lab {list, make, grade}: minillm/labs/
+
+    q = sub.add_parser("quiz", help="interview drill: a question, Enter, its answer with the numbers behind it")
+    q.add_argument("--lesson", type=int, default=None, help="only this lesson's questions (default: all)")
+    q.add_argument("--seed", type=int, default=None, help="shuffle with this seed (default: lesson order)")
+    q.add_argument("--lang", default="en", choices=("en", "zh"),
+                   help="zh: the article's Chinese question, where there is one")
+    q.add_argument("--bank", default=None, help="another question bank in minillm/quiz_bank.toml's format")
+    q.set_defaults(func=_quiz)
     return parser
 
 

@@ -304,3 +304,31 @@ class BlockManager:
         shared = [i for i in range(first_written, last) if self.pool.ref_counts[seq.blocks[i]] > 1]
         grow = max(0, self._num_blocks_for(num_tokens) - len(seq.blocks))
         return grow + len(shared), shared
+
+
+def blocks_after_parallel_sampling(prompt_len: int, n: int, block_size: int = 16) -> int:
+    """Blocks held once n samples of one prompt (n > 1 sampling) have each written their first output
+    token, counted on a real BlockManager: the prompt's full blocks stay shared (fork), and only the
+    partly filled last block is copied, by every writer but the last (copy-on-write)."""
+    num_blocks = n * (prompt_len // block_size + 2)                        # room even without sharing
+    bm = BlockManager(num_blocks, block_size)
+    prompt = list(range(prompt_len))
+    bm.allocate(0, prompt)
+    bm.mark_computed(0, prompt_len)
+    for child in range(1, n):
+        bm.fork(0, child)
+    for seq in range(n):
+        bm.append_slots(seq, prompt + [seq])
+    return num_blocks - bm.num_free_blocks
+
+
+def prefix_hit_tokens(shared_len: int, prompt_len: int, block_size: int = 16) -> int:
+    """Tokens of a prompt_len-token prompt served by the prefix cache when an earlier request, fully
+    computed, started with the same shared_len tokens; counted on a real BlockManager: whole blocks
+    only, and at most prompt_len - 1 tokens, so that the last one runs and yields logits."""
+    bm = BlockManager(2 * (max(shared_len, prompt_len) // block_size + 2), block_size, enable_prefix_caching=True)
+    shared = list(range(shared_len))
+    earlier = shared + [shared_len]                                     # then the two prompts differ
+    bm.allocate("earlier", earlier)
+    bm.mark_computed("earlier", len(earlier))
+    return bm.cached_prefix_tokens(shared + [shared_len + 1] * (prompt_len - shared_len))

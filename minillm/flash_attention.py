@@ -26,6 +26,8 @@ Online softmax, per query row, one key tile s at a time (m: running max, l: runn
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .kernel_args import MAX_HEAD_DIM, check_attention_inputs  # shared with the Triton kernel
@@ -67,6 +69,23 @@ def naive_attention_in_dtype_lse(q, k, v, causal: bool = True, sm_scale: float |
 
 
 # ----------------------------------------------------------------------------- (b) NEW: tiled online softmax
+
+def online_softmax_steps(scores: list[float], values: list[float], tile: int) -> list[tuple[float, float, float]]:
+    """One query row's running state (m, l, acc) after each tile of `tile` keys, on plain floats:
+    the update of the module docstring with a scalar value per key, for working it by hand. The
+    last state gives O = acc / l and LSE = m + log(l), exactly softmax(scores) @ values."""
+    m, l, acc, states = float("-inf"), 0.0, 0.0, []
+    for start in range(0, len(scores), tile):
+        s, v = scores[start:start + tile], values[start:start + tile]
+        m_new = max(m, *s)
+        alpha = math.exp(m - m_new)                       # rescales what was summed under the old max
+        p = [math.exp(x - m_new) for x in s]
+        l = l * alpha + sum(p)
+        acc = acc * alpha + sum(pi * vi for pi, vi in zip(p, v))
+        m = m_new
+        states.append((m, l, acc))
+    return states
+
 
 def flash_attention_torch(q, k, v, causal: bool = True, sm_scale: float | None = None,
                           block_m: int = 64, block_n: int = 64):

@@ -35,6 +35,16 @@ def mla_kv_cache_bytes(n_layers: int, kv_lora_rank: int, rope_head_dim: int, seq
     return n_layers * (kv_lora_rank + rope_head_dim) * seq_len * batch * dtype_bytes
 
 
+def positions_computed(prompt_len: int, new_tokens: int, use_cache: bool) -> int:
+    """Token positions pushed through the model to generate new_tokens greedy tokens after a prompt:
+    what the projections and MLPs cost, in tokens. Without a cache (generate_greedy_naive) step i
+    recomputes all prompt_len + i positions, quadratic in the length; with one (generate_greedy) the
+    prompt runs once and every later step runs only its one new token (the last token is never fed)."""
+    if use_cache:
+        return prompt_len + new_tokens - 1
+    return prompt_len * new_tokens + new_tokens * (new_tokens - 1) // 2
+
+
 class KVCache:
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype=torch.float32, device="cpu"):
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)

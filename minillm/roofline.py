@@ -8,6 +8,9 @@ so it is bounded by FLOP/s. The ridge point FLOP/s / bandwidth says which regime
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 
 from .benchmarks.common import time_median
@@ -19,6 +22,19 @@ GPUS = {
     "H100 SXM": {"flops": 989e12, "bandwidth": 3.35e12},
     "H200": {"flops": 989e12, "bandwidth": 4.8e12},
 }
+
+# Published model shapes, from each model's config.json on the Hugging Face Hub (meta-llama/Llama-2-7b-hf,
+# Llama-2-70b-hf, Meta-Llama-3-8B, Meta-Llama-3-70B, Llama-3.1-70B): hidden_size, num_hidden_layers,
+# num_attention_heads, num_key_value_heads, intermediate_size, vocab_size, max_position_embeddings.
+LLAMA2_7B = ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128,
+                        ffn_dim=11008, rope_theta=10000.0, max_seq_len=4096, tie_embeddings=False)
+LLAMA2_70B = ModelConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
+                         ffn_dim=28672, rope_theta=10000.0, max_seq_len=4096, tie_embeddings=False)
+LLAMA3_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                        ffn_dim=14336, rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False)
+LLAMA3_70B = ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
+                         ffn_dim=28672, rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False)
+LLAMA31_70B = dataclasses.replace(LLAMA3_70B, max_seq_len=131072)    # same weights' shape, 128K context
 
 
 def weight_bytes(cfg: ModelConfig, bytes_per_param: float) -> float:
@@ -47,6 +63,58 @@ def arithmetic_intensity(cfg: ModelConfig, bytes_per_param: float, tokens_per_we
     (1 for batch-1 decode, T for a T-token prefill, B for batch-B decode)."""
     flops = tokens_per_weight_read * decode_flops_per_token(cfg, context)
     return flops / decode_bytes_per_step(cfg, bytes_per_param, context, 1)
+
+
+def ridge_point(gpu: str) -> float:
+    """FLOP/byte at which a GPU's peak arithmetic and peak bandwidth take equal time: a kernel doing
+    fewer FLOPs per byte waits for memory (bandwidth-bound), one doing more waits for arithmetic."""
+    return GPUS[gpu]["flops"] / GPUS[gpu]["bandwidth"]
+
+
+def decode_step_seconds(cfg: ModelConfig, gpu: str, bytes_per_param: float, batch: int = 1,
+                        context: int = 0) -> float:
+    """Roofline time of one decode step of `batch` sequences with `context` cached tokens each: the
+    slower of its FLOPs at peak FLOP/s and its bytes (weights once, every sequence's KV) at peak
+    bandwidth. A floor: real kernels reach neither peak. batch / this = the tokens/s bound."""
+    flops = batch * decode_flops_per_token(cfg, context)
+    nbytes = decode_bytes_per_step(cfg, bytes_per_param, context, batch)
+    return max(flops / GPUS[gpu]["flops"], nbytes / GPUS[gpu]["bandwidth"])
+
+
+def compute_bound_batch(cfg: ModelConfig, gpu: str, bytes_per_param: float, context: int = 0) -> float:
+    """Smallest batch whose decode step does at least the GPU's ridge point in FLOPs per byte, i.e.
+    where decode stops being bandwidth-bound: batch x FLOPs / (weights + batch x KV) >= ridge.
+    Every sequence brings its own KV bytes with its FLOPs, so at long context the intensity levels
+    off below the ridge and the answer is math.inf: decode never turns compute-bound."""
+    ridge = ridge_point(gpu)
+    margin = decode_flops_per_token(cfg, context) - ridge * context * kv_bytes_per_token(cfg, bytes_per_param)
+    if margin <= 0:
+        return math.inf
+    return math.ceil(ridge * weight_bytes(cfg, bytes_per_param) / margin)
+
+
+def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
+    """One causal prefill of `tokens` tokens: 2 FLOPs per weight per token, plus attention, where
+    token t reads t + 1 keys (decode_flops_per_token summed over the prompt)."""
+    attention = 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * tokens * (tokens + 1)
+    return 2 * cfg.num_parameters() * tokens + attention
+
+
+def prefill_seconds(cfg: ModelConfig, gpu: str, bytes_per_param: float, tokens: int) -> float:
+    """Roofline time of a batch-1 prefill: the slower of its FLOPs at peak and its bytes (weights
+    once, the KV it writes) at peak bandwidth. The floor under the time to first token."""
+    nbytes = weight_bytes(cfg, bytes_per_param) + tokens * kv_bytes_per_token(cfg, bytes_per_param)
+    return max(prefill_flops(cfg, tokens) / GPUS[gpu]["flops"], nbytes / GPUS[gpu]["bandwidth"])
+
+
+def max_sequences(cfg: ModelConfig, memory_bytes: float, seq_len: int, bytes_per_param: float,
+                  kv_bytes_per_value: float | None = None) -> int:
+    """How many sequences of seq_len tokens fit in memory_bytes beside the weights, if every one
+    reserves its whole KV cache (activations and fragmentation ignored); 0 if the weights alone do
+    not fit. kv_bytes_per_value defaults to the weights' bytes per value."""
+    kv_value = bytes_per_param if kv_bytes_per_value is None else kv_bytes_per_value
+    free = memory_bytes - weight_bytes(cfg, bytes_per_param)
+    return max(0, int(free // (seq_len * kv_bytes_per_token(cfg, kv_value))))
 
 
 def measure_bandwidth(mbytes: int = 512, dtype=torch.float32, repeats: int = 5, device="cpu") -> float:

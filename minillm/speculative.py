@@ -115,10 +115,17 @@ def expected_tokens_per_call(alpha: float, k: int) -> float:
     return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
-    """Leviathan et al.: tokens per call / (k * c + 1), c = draft step time / target step time.
-    Assumes a target call over k + 1 positions costs the same as over 1."""
-    return expected_tokens_per_call(alpha, k) / (k * cost_ratio + 1.0)
+def expected_speedup(alpha: float, k: int, cost_ratio: float, verify_cost: float = 1.0) -> float:
+    """Leviathan et al.: tokens per call / (k * c + v), c = draft step time / target step time and
+    v = the time of a target call over k + 1 positions in target steps (they assume v = 1; lesson 08
+    measures it well above 1 on a CPU)."""
+    return expected_tokens_per_call(alpha, k) / (k * cost_ratio + verify_cost)
+
+
+def best_k(alpha: float, cost_ratio: float, max_k: int = MAX_SPECULATIVE_TOKENS, verify_cost: float = 1.0) -> int:
+    """The number of guesses (1..max_k) with the highest expected_speedup: more guesses pay only while
+    alpha^k is not negligible next to the cost k * c of drafting them."""
+    return max(range(1, max_k + 1), key=lambda k: expected_speedup(alpha, k, cost_ratio, verify_cost))
 
 
 # ---- drafts ---------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ reference `[^key]`. The reference covers every figure since the previous referen
 in order, and its definition (one line, anywhere in the same file or notebook cell) says which kind:
 
     [^key]: measured in results/roofline.json: summary.bandwidth_bound_tok_s_float32; results(dtype="bfloat16").bound_tok_s
-    [^key]: counted by minillm.roofline: kv_cache_bytes_per_token(LLAMA2_70B) / 1024
+    [^key]: counted by minillm.roofline: kv_bytes_per_token(LLAMA2_70B, 2) / 1024
     [^key]: published: FlashAttention README (github.com/Dao-AILab/flash-attention), "Memory" figure, A100 80GB
 
 Measured and counted footnotes list one Python expression per figure, separated by `;`.
@@ -26,14 +26,14 @@ notebooks); tests/test_lessons.py runs the same check.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import re
-import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from minillm import results_view
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -271,60 +271,10 @@ def _power_of_two(n: float) -> bool:
 
 # ----------------------------------------------------------------------------------- evaluating
 
-class JsonView:
-    """Attribute access over parsed JSON, so that footnotes read like `summary.ppl.fp32`."""
-
-    def __init__(self, data, where: str):
-        self._d, self._where = data, where
-
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return self[name]
-
-    def __getitem__(self, key):
-        try:
-            return wrap(self._d[key], f"{self._where}[{key!r}]")
-        except (KeyError, IndexError, TypeError):
-            raise LookupError(f"{self._where} has no {key!r}") from None
-
-    def __call__(self, **where):
-        rows = [r for r in self._d if isinstance(r, dict) and all(r.get(k) == v for k, v in where.items())]
-        if len(rows) != 1:
-            raise LookupError(f"{self._where}({where}) matches {len(rows)} rows, not 1")
-        return wrap(rows[0], f"{self._where}({where})")
-
-    def all(self, **where):
-        return [wrap(r, self._where) for r in self._d if all(r.get(k) == v for k, v in where.items())]
-
-    def __iter__(self):
-        return (wrap(x, self._where) for x in self._d)
-
-    def __len__(self):
-        return len(self._d)
-
-
-def wrap(x, where):
-    return JsonView(x, where) if isinstance(x, (dict, list)) else x
-
-
-HELPERS = {"min": min, "max": max, "abs": abs, "round": round, "len": len, "sum": sum,
-           "median": statistics.median, "math": math}
-_json_cache: dict[str, dict] = {}
-
-
-def evaluate(note: Footnote, expr: str):
+def evaluate(note: Footnote, expr: str) -> float:
     if note.kind == "measured":
-        if note.source not in _json_cache:
-            _json_cache[note.source] = json.loads((ROOT / note.source).read_text())
-        data = _json_cache[note.source]
-        scope = dict(HELPERS, **{k: wrap(v, k) for k, v in data.items()})
-    else:
-        scope = dict(HELPERS, **vars(importlib.import_module(note.source)))
-    value = eval(expr, {"__builtins__": {}}, scope)  # noqa: S307 (our own footnotes)
-    if isinstance(value, JsonView) or not isinstance(value, (int, float)):
-        raise TypeError(f"`{expr}` is {type(value).__name__}, not a number")
-    return float(value)
+        return float(results_view.evaluate(expr, results=ROOT / note.source))
+    return float(results_view.evaluate(expr, module=note.source))
 
 
 def agrees(fig: Figure, value: float) -> bool:

@@ -12,6 +12,7 @@ Interpreter note: tl.dot on bf16 operands is wrong under TRITON_INTERPRET=1 (tri
 so on CPU the kernel upcasts bf16 tiles to fp32 before each dot; the bf16 CPU results below test
 that path, and only a CUDA run tests native bf16 dots.
 """
+import math
 import os
 
 import pytest
@@ -27,7 +28,7 @@ import minillm.flash_attention as flash_module  # noqa: E402
 from kernels.flash_attention import INTERPRETED, triton_flash_attention_forward  # noqa: E402
 from minillm.flash_attention import (  # noqa: E402
     flash_attention, flash_attention_backward_torch, flash_attention_torch, naive_attention_in_dtype,
-    naive_attention_in_dtype_lse, triton_usable,
+    naive_attention_in_dtype_lse, online_softmax_steps, triton_usable,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -274,3 +275,19 @@ def test_llm_prefill_through_flash_attention_keeps_greedy_tokens(smollm2_path, l
     got = flash_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     assert len(kernel_calls) == flash_llm.config.n_layers
     assert got == llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("tile", [1, 2, 3, 7])
+def test_online_softmax_steps_end_at_softmax_and_logsumexp(tile):
+    scores = torch.randn(7, generator=torch.Generator().manual_seed(tile), dtype=torch.float64) * 4
+    values = torch.randn(7, generator=torch.Generator().manual_seed(tile + 10), dtype=torch.float64)
+    m, l, acc = online_softmax_steps(scores.tolist(), values.tolist(), tile)[-1]
+    assert acc / l == pytest.approx(float(torch.softmax(scores, 0) @ values), rel=1e-12)
+    assert m + math.log(l) == pytest.approx(float(torch.logsumexp(scores, 0)), rel=1e-12)
+
+
+def test_online_softmax_steps_reproduce_lesson_05s_worked_example():
+    (m1, l1, acc1), (m2, l2, acc2) = online_softmax_steps([2, 1, 3, 0], [10, 20, 30, 40], 2)
+    assert (m1, m2) == (2, 3)
+    assert (l1, acc1, l2, acc2) == pytest.approx((1.3679, 17.3576, 1.5530, 38.3770), abs=1e-4)
+    assert acc2 / l2 == pytest.approx(24.711486, abs=1e-6)

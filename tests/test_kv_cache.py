@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from minillm.kv_cache import (KVCache, forward_cached, generate_greedy, generate_greedy_naive, kv_cache_bytes,
+                              positions_computed,
                               mla_kv_cache_bytes)
 from minillm.model import ModelConfig, random_model, tiny_config
 
@@ -73,3 +74,16 @@ def test_mla_cache_is_the_latent_plus_one_rope_key_per_layer():
     gqa_equivalent_groups = mla / kv_cache_bytes(60, 1, 128, 1, 1, 1)
     assert gqa_equivalent_groups == 2.25              # the paper: "equal to GQA with only 2.25 groups"
     assert mla_kv_cache_bytes(61, 512, 64, 4096, 2, 2) == 61 * 576 * 4096 * 2 * 2
+
+
+@pytest.mark.parametrize("prompt_len, new_tokens", [(6, 1), (6, 9), (1, 5)])
+def test_positions_computed_counts_what_the_generate_loops_feed(tiny_model, prompt_len, new_tokens):
+    fed = []
+    hook = tiny_model.embed.register_forward_hook(lambda module, args, out: fed.append(args[0].shape[1]))
+    prompt = list(range(3, 3 + prompt_len))
+    generate_greedy_naive(tiny_model, prompt, new_tokens)
+    naive, fed[:] = sum(fed), []
+    generate_greedy(tiny_model, [prompt], new_tokens)
+    hook.remove()
+    assert naive == positions_computed(prompt_len, new_tokens, use_cache=False)
+    assert sum(fed) == positions_computed(prompt_len, new_tokens, use_cache=True)

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from minillm.block_manager import BlockManager, OutOfBlocks
+from minillm.block_manager import BlockManager, OutOfBlocks, blocks_after_parallel_sampling, prefix_hit_tokens
 from minillm.paged_attention import (
     allocate_kv_cache, block_table_tensor, copy_blocks, gather_kv, paged_attention_reference,
     paged_attention_split, store_kv_reference,
@@ -386,3 +386,17 @@ def test_attention_argument_checks():
         paged_attention_reference(torch.zeros(1, 4, 6), k_cache, v_cache, tables, lens, 1.0)
     with pytest.raises(ValueError, match="num_splits"):
         paged_attention_split(torch.zeros(1, 4, 8), k_cache, v_cache, tables, lens, 1.0, num_splits=0)
+
+
+def test_parallel_sampling_shares_full_blocks_and_copies_only_the_last():
+    assert blocks_after_parallel_sampling(1000, 1) == 63                 # 1001 tokens in blocks of 16
+    assert blocks_after_parallel_sampling(1000, 4) == 62 + 4            # 62 shared, the partial one copied 3 times
+    assert blocks_after_parallel_sampling(1024, 4) == 64 + 4            # full blocks shared; a new block each
+    assert blocks_after_parallel_sampling(1000, 4, block_size=256) == 3 + 4
+
+
+def test_prefix_hits_are_whole_blocks_and_leave_the_last_token_to_compute():
+    assert prefix_hit_tokens(1030, 1043) == 1024                        # the partial 65th block is recomputed
+    assert prefix_hit_tokens(1024, 1043) == 1024
+    assert prefix_hit_tokens(1024, 1024) == 1024 - 16                   # a full hit is capped at n - 1 tokens
+    assert prefix_hit_tokens(15, 40) == 0                               # no full block shared

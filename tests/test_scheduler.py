@@ -5,7 +5,7 @@ from minillm.block_manager import BlockManager
 from minillm.outputs import RequestMetrics
 from minillm.request import Request, RequestStatus
 from minillm.sampling import SamplingParams
-from minillm.scheduler import Scheduler
+from minillm.scheduler import Scheduler, chunked_prefill_steps
 
 
 def make_request(rid, prompt_len, max_tokens=4, first_token=100):
@@ -155,3 +155,26 @@ def test_finish_frees_blocks_of_running_and_removes_waiting():
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         Scheduler(BlockManager(4, 4), **kwargs)
+
+
+@pytest.mark.parametrize("prompt_len, budget, decoding", [(2000, 512, 40), (300, 64, 5), (100, 128, 3), (97, 16, 15)])
+def test_chunked_prefill_steps_matches_the_scheduler(prompt_len, budget, decoding):
+    sched = Scheduler(BlockManager(512, 16), max_num_seqs=64, max_num_batched_tokens=budget)
+    for i in range(decoding):
+        sched.add(make_request(i, 1, max_tokens=10_000))
+    while len(sched.running) < decoding or any(r.num_computed_tokens == 0 for r in sched.running):
+        finish_step(sched, sched.schedule())                            # admit them all: now they decode
+    prompt = make_request("new", prompt_len, first_token=300)
+    sched.add(prompt)
+    steps = 0
+    while prompt.num_computed_tokens < prompt_len:
+        plan = sched.schedule()
+        assert plan.num_new_tokens[:decoding] == [1] * decoding        # every decode still runs each step
+        finish_step(sched, plan)
+        steps += 1
+    assert steps == chunked_prefill_steps(prompt_len, budget, decoding)
+
+
+def test_chunked_prefill_steps_refuses_a_budget_the_decodes_fill():
+    with pytest.raises(ValueError, match="num_decoding < max_num_batched_tokens"):
+        chunked_prefill_steps(100, 16, 16)

@@ -7,9 +7,9 @@ from helpers import CharTokenizer
 from minillm import LLM, SamplingParams
 from minillm.model import random_model, tiny_config
 from minillm.sampling import filtered_probs
-from minillm.speculative import (METHODS, ModelDraft, NgramDraft, SpecStats, acceptance_probability, check_args,
-                                 default_skipped_layers, expected_tokens_per_call, greedy_verify, layer_subset,
-                                 make_draft, rejection_sample, speculative_stream, verify)
+from minillm.speculative import (METHODS, ModelDraft, NgramDraft, SpecStats, acceptance_probability, best_k, check_args,
+                                 default_skipped_layers, expected_speedup, expected_tokens_per_call, greedy_verify,
+                                 layer_subset, make_draft, rejection_sample, speculative_stream, verify)
 
 V = 10                                 # small vocabulary for the statistical tests
 
@@ -360,3 +360,16 @@ def test_real_model_stop_string_inside_an_accepted_run(llm, grounded_prompt):
     assert plain.finish_reason == spec.finish_reason == "stop" and plain.stop_reason == "hundred"
     assert spec.text == plain.text and text == plain_text
     assert spec.output_token_ids == plain.output_token_ids
+
+
+def test_expected_speedup_charges_drafting_and_verification():
+    assert expected_tokens_per_call(0.8, 4) == pytest.approx(3.3616)
+    assert expected_speedup(0.8, 4, 0.05) == pytest.approx(3.3616 / 1.2)
+    assert expected_speedup(1.0, 8, 0.81, verify_cost=2.16) == pytest.approx(9 / (8 * 0.81 + 2.16))
+
+
+@pytest.mark.parametrize("alpha, cost", [(0.8, 0.05), (0.8, 0.2), (0.5, 0.1), (0.95, 0.01)])
+def test_best_k_maximises_the_expected_speedup(alpha, cost):
+    k = best_k(alpha, cost, max_k=8)
+    assert all(expected_speedup(alpha, k, cost) >= expected_speedup(alpha, j, cost) for j in range(1, 9))
+    assert best_k(0.8, 0.05) == 8 and best_k(0.8, 0.2) == 4          # cheaper drafts afford more guesses
