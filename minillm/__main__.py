@@ -55,7 +55,7 @@ def _serve(args) -> None:
               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, prefix_cache=args.prefix_cache)
     name = args.served_model_name or args.model
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI-compatible)", flush=True)
     limits = {key: getattr(args, key) for key in ("max_waiting", "max_body_bytes", "stall_timeout_s")
@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: 1 GiB of K/V)")
     s.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt in one step")
     s.add_argument("--enable-prefix-caching", action="store_true", help="reuse KV blocks of shared prefixes")
+    s.add_argument("--prefix-cache", default="hash", choices=("hash", "radix"),
+                   help="the index of cached blocks with --enable-prefix-caching: hash (vLLM's chained block "
+                        "hashes) | radix (SGLang's radix tree)")
     s.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) | int8")
     s.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or os.environ.get("MINILLM_API_KEY"),
                    help="/v1/* wants 'Authorization: Bearer KEY' (default: $VLLM_API_KEY, as vLLM, "

@@ -19,7 +19,9 @@ per layer.
 API (driven by a scheduler, vLLM v1 style: each request's num_computed_tokens catches up
 with its num_tokens; preemption by recompute is free() and a later allocate()):
 
-    bm = BlockManager(num_blocks, block_size=16, enable_prefix_caching=False)
+    bm = BlockManager(num_blocks, block_size=16, enable_prefix_caching=False, prefix_cache="hash")
+        # prefix_cache: the index of cached blocks, "hash" (vLLM's chained block hashes,
+        # minillm/prefix_cache.py) or "radix" (SGLang's radix tree, minillm/radix_cache.py)
     bm.can_allocate(prompt_ids) -> bool
     bm.allocate(seq_id, prompt_ids) -> num_cached_tokens   # blocks for the whole prompt;
         # with prefix caching, the leading full blocks another request computed are shared
@@ -43,10 +45,24 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
-from minillm.prefix_cache import ROOT_HASH, PrefixCache, chain_hashes
+from minillm.prefix_cache import PrefixCache
+from minillm.radix_cache import RadixCache
+
+PREFIX_CACHES = {"hash": PrefixCache, "radix": RadixCache}     # prefix_cache= -> its index
+
+
+def check_prefix_cache(prefix_cache: str, enable_prefix_caching: bool) -> None:
+    """ValueError unless prefix_cache names an index; a non-default index without prefix caching
+    is refused rather than ignored (it would silently cache nothing)."""
+    if prefix_cache not in PREFIX_CACHES:
+        raise ValueError(f"prefix_cache = {prefix_cache!r} is not supported; allowed: "
+                         f"{', '.join(map(repr, PREFIX_CACHES))}")
+    if prefix_cache != "hash" and not enable_prefix_caching:
+        raise ValueError(f"prefix_cache = {prefix_cache!r} needs enable_prefix_caching=True "
+                         f"(without it no index is used)")
 
 
 class OutOfBlocks(RuntimeError):
@@ -62,7 +78,7 @@ class BlockPool:
     none is left, so cached prefixes live as long as memory allows.
     """
 
-    def __init__(self, num_blocks: int, prefix_cache: PrefixCache | None = None):
+    def __init__(self, num_blocks: int, prefix_cache: PrefixCache | RadixCache | None = None):
         self.ref_counts = [0] * num_blocks
         self._free = deque(range(num_blocks))
         self.prefix_cache = prefix_cache
@@ -123,21 +139,23 @@ class _Sequence:
     token_ids: list[int]
     blocks: list[int]                                  # the block table
     num_computed: int = 0                              # tokens whose K/V is in the cache
-    hashes: list[int] = field(default_factory=list)    # chain hashes of its full blocks so far
-    num_registered: int = 0                            # leading blocks findable in the prefix cache
+    num_registered: int = 0                            # leading blocks inserted into the prefix cache
+    cache_state: object = None                         # what the index's last insert returned
 
 
 class BlockManager:
     """Block tables of every live sequence over one BlockPool (see the module docstring)."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False,
+                 prefix_cache: str = "hash"):
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        check_prefix_cache(prefix_cache, enable_prefix_caching)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self.prefix_cache = PREFIX_CACHES[prefix_cache]() if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self.prefix_cache)
         self._seqs: dict[object, _Sequence] = {}
 
@@ -172,11 +190,11 @@ class BlockManager:
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens a prefix-cache hit would serve right now (0 without caching)."""
         self._check_tokens(token_ids)
-        return len(self._match(token_ids, self._hashes_of(token_ids))) * self.block_size
+        return len(self._match(token_ids)) * self.block_size
 
     def can_allocate(self, token_ids: Sequence[int], use_prefix_cache: bool = True) -> bool:
         self._check_tokens(token_ids)
-        hits = self._match(token_ids, self._hashes_of(token_ids)) if use_prefix_cache else []
+        hits = self._match(token_ids) if use_prefix_cache else []
         return self._blocks_to_allocate(len(token_ids), hits) <= self.num_free_blocks
 
     def allocate(self, seq_id, token_ids: Sequence[int], use_prefix_cache: bool = True) -> int:
@@ -185,15 +203,14 @@ class BlockManager:
         if seq_id in self._seqs:
             raise ValueError(f"seq_id {seq_id!r} is already allocated")
         self._check_tokens(token_ids)
-        hashes = self._hashes_of(token_ids)
-        hits = self._match(token_ids, hashes) if use_prefix_cache else []
+        hits = self._match(token_ids) if use_prefix_cache else []
         if self._blocks_to_allocate(len(token_ids), hits) > self.num_free_blocks:
             raise OutOfBlocks(f"seq_id {seq_id!r} needs more blocks than are free")
         for block in hits:                         # first, so that allocate() cannot evict them
             self.pool.acquire(block)
         fresh = [self.pool.allocate() for _ in range(self._num_blocks_for(len(token_ids)) - len(hits))]
         num_cached = len(hits) * self.block_size
-        self._seqs[seq_id] = _Sequence(list(token_ids), hits + fresh, num_cached, hashes, len(hits))
+        self._seqs[seq_id] = _Sequence(list(token_ids), hits + fresh, num_cached, len(hits))
         return num_cached
 
     # --- growth -------------------------------------------------------------------------
@@ -233,19 +250,17 @@ class BlockManager:
             raise ValueError(f"num_computed_tokens must be in [{seq.num_computed}, "
                              f"{len(seq.token_ids)}] for seq_id {seq_id!r}, got {num_computed_tokens}")
         seq.num_computed = num_computed_tokens
-        if self.prefix_cache is None:
-            return
         num_full = num_computed_tokens // self.block_size
-        if len(seq.hashes) < num_full:
-            parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
-            seq.hashes += chain_hashes(seq.token_ids[:num_full * self.block_size], self.block_size,
-                                       start=len(seq.hashes), parent_hash=parent)
-        bs = self.block_size
-        for i in range(seq.num_registered, num_full):
-            parent = seq.hashes[i - 1] if i else ROOT_HASH
-            self.prefix_cache.register(seq.blocks[i], seq.hashes[i], parent,
-                                       seq.token_ids[i * bs:(i + 1) * bs])
-        seq.num_registered = max(seq.num_registered, num_full)
+        if self.prefix_cache is None or num_full <= seq.num_registered:
+            return
+        swaps, seq.cache_state = self.prefix_cache.insert(
+            seq.token_ids[:num_full * self.block_size], seq.blocks, self.block_size,
+            seq.num_registered, seq.cache_state)
+        for i, cached in swaps:                    # the radix tree keeps one copy of each prefix:
+            self.pool.acquire(cached)              # use it (same tokens, same K/V), free ours
+            self.pool.release(seq.blocks[i])
+            seq.blocks[i] = cached
+        seq.num_registered = num_full
 
     # --- sharing and release ------------------------------------------------------------
     def fork(self, parent_id, child_id) -> None:
@@ -256,8 +271,7 @@ class BlockManager:
         for block in parent.blocks:
             self.pool.acquire(block)
         self._seqs[child_id] = _Sequence(list(parent.token_ids), list(parent.blocks),
-                                         parent.num_computed, list(parent.hashes),
-                                         parent.num_registered)
+                                         parent.num_computed, parent.num_registered, parent.cache_state)
 
     def free(self, seq_id) -> None:
         """Release a finished or preempted sequence's blocks, last block first, so that with
@@ -281,13 +295,10 @@ class BlockManager:
     def _num_blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
 
-    def _hashes_of(self, token_ids) -> list[int]:
-        return chain_hashes(token_ids, self.block_size) if self.prefix_cache else []
-
-    def _match(self, token_ids, hashes) -> list[int]:
+    def _match(self, token_ids) -> list[int]:
         if self.prefix_cache is None:
             return []
-        return self.prefix_cache.match(token_ids, self.block_size, hashes)
+        return self.prefix_cache.match(token_ids, self.block_size)
 
     def _blocks_to_allocate(self, num_tokens: int, hits: list[int]) -> int:
         """Free blocks an allocation consumes: new blocks, plus hits that are now evictable

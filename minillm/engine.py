@@ -78,12 +78,12 @@ class Engine:
     def __init__(self, llm, block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", prefix_cache: str = "hash"):
         cfg, dtype = llm.config, llm.model.embed.weight.dtype
         num_kv_blocks = check_engine_args(llm, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
                                           kv_cache_dtype, enable_chunked_prefill)
         self.llm = llm
-        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching, prefix_cache)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    enable_chunked_prefill)
         self.kv = PagedKVCache(cfg, num_kv_blocks, block_size, dtype, llm.device, kv_cache_dtype)

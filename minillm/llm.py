@@ -17,6 +17,7 @@ import torch
 
 from .fast_decode import forward_fast, fuse_projections, is_fused
 from .kv_cache import KVCache, forward_cached
+from .block_manager import check_prefix_cache
 from .engine import Engine, check_engine_args
 from .loader import load_model, resolve_device
 from .model import check_attention_backend
@@ -37,15 +38,18 @@ class LLM:
                  num_speculative_tokens: int = 5, block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
-                 kv_cache_dtype: str = "auto", tokenizer=None):
+                 kv_cache_dtype: str = "auto", prefix_cache: str = "hash", tokenizer=None):
         """model: "smollm2", a .gguf path or an HF folder; or an already-built minillm Llama
-        module together with its `tokenizer` (tests use a tiny random model this way)."""
+        module together with its `tokenizer` (tests use a tiny random model this way).
+        prefix_cache: the index enable_prefix_caching uses, "hash" (vLLM's block hashes) or
+        "radix" (SGLang's radix tree); "radix" without enable_prefix_caching is refused."""
         from .model import Llama
         from .quant import METHODS as QUANT_METHODS
 
         if quantization not in (None, *QUANT_METHODS):
             raise ValueError(f"quantization = {quantization!r} is not supported; allowed: None, "
                              f"{', '.join(map(repr, QUANT_METHODS))}")
+        check_prefix_cache(prefix_cache, enable_prefix_caching)         # before the model loads
         if speculative_method is not None:
             from .speculative import check_args
             check_args(speculative_method, num_speculative_tokens)
@@ -73,7 +77,8 @@ class LLM:
         self.engine_args = dict(block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 enable_chunked_prefill=enable_chunked_prefill,
-                                enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype)
+                                enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                                prefix_cache=prefix_cache)
         check_engine_args(self, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, kv_cache_dtype,
                           enable_chunked_prefill)
         if kv_cache_dtype != "auto" and speculative_method is not None:

@@ -22,7 +22,8 @@ This module is the index only; minillm/block_manager.py owns the blocks, referen
 free list, and calls into it. Blocks are plain ints (physical block ids).
 
 SGLang's RadixAttention keeps the same information as a radix tree over tokens instead of a
-hash table over blocks: a match may end at any token, and partial matches split a node.
+hash table over blocks: minillm/radix_cache.py, with the same interface (match, insert, release,
+revive, evict), so the block manager takes either (BlockManager(..., prefix_cache="radix")).
 """
 from __future__ import annotations
 
@@ -114,7 +115,23 @@ class PrefixCache:
     def num_cached(self) -> int:
         return len(self._entry)
 
-    # --- updates (called by the block pool) ---------------------------------------------
+    # --- updates (called by the block manager and its pool) -----------------------------
+    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], block_size: int,
+               start: int = 0, state: int | None = None) -> tuple[list[tuple[int, int]], int]:
+        """Register blocks start, start+1, ... of a sequence. token_ids: the tokens of its full
+        computed blocks (a multiple of block_size); blocks: its block table. state: the chain hash
+        of block start - 1 as the previous insert returned it (None: hash again from the root).
+
+        Returns ([], the chain hash of the last block): no block to swap, since a duplicate keeps
+        its own block (register refuses it) and goes back to the free list when freed.
+        """
+        if state is None:
+            state = chain_hashes(token_ids[:start * block_size], block_size)[-1] if start else ROOT_HASH
+        for i, block_hash in enumerate(chain_hashes(token_ids, block_size, start, state), start):
+            self.register(blocks[i], block_hash, state, token_ids[i * block_size:(i + 1) * block_size])
+            state = block_hash
+        return [], state
+
     def register(self, block: int, block_hash: int, parent_hash: int,
                  token_ids: Sequence[int]) -> bool:
         """Make a freshly computed full block findable. False if this content is cached already

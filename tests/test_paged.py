@@ -5,11 +5,13 @@ the gather-based reference and its tiled split-K twin. The Triton kernels are in
 tests/test_paged_attention.py, prefix caching in tests/test_prefix_cache.py.
 
 The property test drives a BlockManager with random sequences of allocate / append / compute /
-fork / free (and, with prefix caching, eviction under memory pressure) next to a shadow KV
-memory: every time the test "computes" a token it writes, at the token's slot, the tuple of
-all tokens up to it (what the real K/V depends on). After every step:
+fork / free (and, with prefix caching, eviction under memory pressure, with the hash index or
+the radix tree) next to a shadow KV memory: every time the test "computes" a token it writes,
+at the token's slot, the tuple of all tokens up to it (what the real K/V depends on). After
+every step:
 - every block's reference count equals the number of block-table entries holding it;
 - every block is in exactly one place: held, on the free list, or cached-evictable;
+- no eviction hands out a block some sequence holds;
 - every computed token of every live sequence reads back its own prefix from its slot, so no
   block was handed out twice, freed while held, shared wrongly by a fork or a prefix hit, or
   lost its content in a copy-on-write.
@@ -199,15 +201,27 @@ PREFIXES = [prompt(7, 0), prompt(5, 0) + [50, 51], prompt(9, 200)]   # shared he
 
 class BlockManagerMachine(RuleBasedStateMachine):
     caching = False
+    prefix_cache = "hash"
 
     def __init__(self):
         super().__init__()
         self.bs = 3
-        self.bm = BlockManager(num_blocks=10, block_size=self.bs, enable_prefix_caching=self.caching)
+        self.bm = BlockManager(num_blocks=10, block_size=self.bs, enable_prefix_caching=self.caching,
+                               prefix_cache=self.prefix_cache)
         self.tokens = {}                                  # seq id -> its token ids (the test's view)
         self.shadow = {}                                  # slot -> token prefix whose K/V it holds
         self.finished = []                                # token lists of freed sequences
         self.next_id = 0
+        if self.caching:
+            self.bm.prefix_cache.evict = self._checked(self.bm.prefix_cache.evict)
+
+    def _checked(self, evict):
+        def evict_unheld():
+            block = evict()
+            assert block is not None and self.bm.pool.ref_counts[block] == 0
+            assert all(block not in self.bm.block_table(seq) for seq in self.tokens)
+            return block
+        return evict_unheld
 
     def _new_id(self):
         self.next_id += 1
@@ -217,7 +231,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def allocate(self, data, head, tail):
         tokens = head + tail
         if self.finished and data.draw(st.booleans()):
-            tokens = data.draw(st.sampled_from(self.finished))   # re-admission: a 100% prefix match
+            tokens = data.draw(st.sampled_from(self.finished))   # re-admission: a 100% prefix match,
+            if data.draw(st.booleans()):
+                tokens = tokens + tail                           # or the next turn of a chat
         if not tokens:
             return
         seq, free_before = self._new_id(), self.bm.num_free_blocks
@@ -231,6 +247,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert cached == 0 or self.caching
         assert self.bm.num_computed_tokens(seq) == cached
         self.tokens[seq] = list(tokens)
+
+    @rule(data=st.data())
+    def memory_pressure(self, data):
+        """A sequence of unseen tokens that takes some of the free blocks: once the never-cached
+        ones are gone, each further block is an eviction."""
+        if self.bm.num_free_blocks:
+            seq, num_blocks = self._new_id(), data.draw(st.integers(1, self.bm.num_free_blocks))
+            tokens = prompt(num_blocks * self.bs, start=1000 + 100 * seq)
+            assert self.bm.allocate(seq, tokens) == 0
+            self.tokens[seq] = tokens
 
     @rule(data=st.data(), new=st.lists(st.integers(0, 3), min_size=1, max_size=4))
     def append(self, data, new):
@@ -316,12 +342,42 @@ class CachingBlockManagerMachine(BlockManagerMachine):
     caching = True
 
 
+class RadixBlockManagerMachine(CachingBlockManagerMachine):
+    prefix_cache = "radix"
+
+    @invariant()
+    def the_tree_holds_what_it_says(self):
+        """Each cached block holds the K/V of the prefix its path spells (so a hit returns the
+        blocks that prefix was computed in), and nothing below an unheld block is held (so
+        leaf-first eviction reaches every evictable block)."""
+        tree, refs, bs = self.bm.prefix_cache, self.bm.pool.ref_counts, self.bs
+        seen = []
+
+        def visit(node, prefix, under_unheld):
+            assert len(node.tokens) == len(node.blocks) * bs and node.tokens[:bs] == node.key
+            for j, block in enumerate(node.blocks):
+                seen.append(block)
+                under_unheld = under_unheld or refs[block] == 0
+                assert not (under_unheld and refs[block])
+                for offset in range(bs):
+                    position = len(prefix) + j * bs + offset
+                    assert self.shadow[block * bs + offset] == tuple((prefix + node.tokens)[:position + 1])
+            for key, child in node.children.items():
+                assert child.key == key and child.parent is node and child.blocks
+                visit(child, prefix + node.tokens, under_unheld)
+
+        visit(tree.root, (), False)
+        assert len(seen) == len(set(seen)) == tree.num_cached
+
+
 MACHINE_SETTINGS = settings(max_examples=150, stateful_step_count=60, deadline=None,
                             suppress_health_check=[HealthCheck.too_slow])
 TestBlockManagerProperties = BlockManagerMachine.TestCase
 TestBlockManagerProperties.settings = MACHINE_SETTINGS
 TestCachingBlockManagerProperties = CachingBlockManagerMachine.TestCase
 TestCachingBlockManagerProperties.settings = MACHINE_SETTINGS
+TestRadixBlockManagerProperties = RadixBlockManagerMachine.TestCase
+TestRadixBlockManagerProperties.settings = MACHINE_SETTINGS
 
 
 # --- the torch side ---------------------------------------------------------------------
