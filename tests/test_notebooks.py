@@ -10,18 +10,23 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 # Printed booleans "<label>: True" (or "<label>=True"): each label must appear, and be True every time.
 PRINTED_SAME = {
+    "01_where_time_goes.ipynb": ("hand count == roofline",),
     "02_kv_cache.ipynb": ("identical", "fast path == cached baseline", "same tokens as the baseline"),
-    "06_paged_kv.ipynb": ("identical tokens",),
+    "04_quantization.ipynb": ("same packed bytes", "same dequantised row"),
+    "05_flash_attention.ipynb": ("same (m, l, acc) as flash_attention.online_softmax_steps",),
+    "06_paged_kv.ipynb": ("same block tables", "same slots", "identical tokens"),
     "07_continuous_batching.ipynb": ("first three requests identical to running alone", "same tokens",
-                                     "tokens identical"),
+                                     "tokens identical", "same schedule"),
     "08_speculative_decoding.ipynb": ("identical",),
+    "09_serving.ipynb": ("same text",),
 }
 # Printed differences between two computations of the same value: (pattern with the number, bound).
 # fp32 throughout: the bounds are rounding, far below any real disagreement.
 PRINTED_CLOSE = {
     "03_gqa.ipynb": ((r"max \|difference\| = (\S+)", 1e-5),),
     "04_quantization.ipynb": ((r"twin vs dequantise-then-matmul: max \|diff\| = (\S+)", 1e-4),),
-    "05_flash_attention.ipynb": ((r"max \|flash - autograd\(naive\)\| = (\S+)", 1e-4),),
+    "05_flash_attention.ipynb": ((r"max \|flash - autograd\(naive\)\| = (\S+)", 1e-4),
+                                 (r"two tiles by hand vs \S+: max \|diff\| = (\S+)", 1e-5)),
 }
 # Two printed lines that must show the same digits (a backreference to the first line's values).
 PRINTED_TWICE = {
@@ -81,7 +86,9 @@ def test_the_equality_checks_read_the_committed_outputs_and_can_fail():
     with pytest.raises(AssertionError, match="disagree"):
         check_printed_equalities("05_flash_attention.ipynb", "online : O = acc / l = 24.711486   LSE = m + "
                                  "log(l) = 3.440190\ndirect : O = 24.711487   LSE = 3.440190\n"
-                                 "dq: max |flash - autograd(naive)| = 1e-07\n")
+                                 "dq: max |flash - autograd(naive)| = 1e-07\n"
+                                 "same (m, l, acc) as flash_attention.online_softmax_steps: True\n"
+                                 "two tiles by hand vs softmax: max |diff| = 2.4e-07\n")
 
 
 def test_every_lesson_has_a_notebook():

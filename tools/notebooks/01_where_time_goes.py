@@ -30,10 +30,31 @@ At batch 1, decode multiplies every weight matrix by one vector: each weight is 
 for one multiply-add (2 FLOPs). In fp32 that is 2 FLOPs per 4 bytes, **0.5 FLOP/byte**[^fp32-ai].
 
 [^fp32-ai]: counted by minillm.roofline: 2 / 4
+
+Count it by hand first, from the loaded model: one multiply-add per weight, plus attention's two
+dot products per cached key and head; bytes are every weight once plus the cached K and V. Edit
+`context` or the dtype's bytes and see the intensity move. The last line checks the count against
+`minillm.roofline`, which the rest of the notebook uses.
 """),
 ("code", r"""
 model, tok = load_model("smollm2", dtype="float32", device=device)
 cfg = model.cfg
+context, bytes_per_value = 16, 4                 # tokens already in the KV cache; fp32
+weights = sum(p.numel() for p in model.parameters())   # the tied LM head is the embedding: stored once
+flops = 2 * weights                              # one multiply-add per weight for the one new token
+flops += cfg.n_layers * cfg.n_heads * 2 * (2 * cfg.head_dim * context)   # q.k with each cached key, then p.v
+nbytes = weights * bytes_per_value               # every weight read once
+nbytes += context * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * bytes_per_value   # cached K and V
+print(f"by hand: {flops / 1e6:.1f} MFLOP and {nbytes / 1e6:.1f} MB per token = {flops / nbytes:.3f} FLOP/byte")
+print("hand count == roofline:", flops == roofline.decode_flops_per_token(cfg, context)
+      and nbytes == roofline.decode_bytes_per_step(cfg, bytes_per_value, context))
+"""),
+("md", r"""
+![The roofline of this CPU and three GPUs, and the batch at which decode turns compute-bound](../lessons/figures/roofline.png)
+
+*Decode at batch 1 sits far left of every ridge point: bandwidth, not arithmetic, sets its speed (`python -m minillm figures` redraws this).*
+"""),
+("code", r"""
 n = cfg.num_parameters()
 for name, b in [("float32", 4), ("bfloat16", 2), ("int8", 1), ("int4", 0.5)]:
     print(f"{name:9s} weights: {roofline.weight_bytes(cfg, b)/1e6:7.1f} MB   "

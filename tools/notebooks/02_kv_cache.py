@@ -25,9 +25,52 @@ model, tok = load_model("smollm2", dtype="float32", device=device)
 
 Step *t* of decoding needs the keys and values of all earlier tokens. They never change, so we keep
 them: the baseline recomputes them every step, the cached path computes only the new token's.
+
+A KV cache in a few lines, from the model's own layers: a dict from layer to its (K, V), each new
+token's K and V appended with `torch.cat`. The prefill fills it with the whole prompt; each decode step
+runs one token whose query attends to everything stored. Its greedy tokens must be those of
+`minillm.kv_cache.generate_greedy`, the preallocated cache the library uses.
 """),
 ("code", r"""
+from minillm.model import naive_attention_fp32
+from minillm.positions import rope_cos_sin
+
+@torch.no_grad()
+def forward_with_dict_cache(model, tokens, cache):
+    # tokens (1, T) continue the sequence; cache {layer: (K, V)}, each (1, Hkv, S, D), grows by T
+    start = cache[0][0].shape[2] if cache else 0
+    cos, sin = rope_cos_sin(torch.arange(start, start + tokens.shape[1], device=tokens.device),
+                            model.cfg.head_dim, model.cfg.rope_theta)
+    h = model.embed(tokens)                                              # (1, T, dim)
+    for i, layer in enumerate(model.layers):
+        q, k, v = layer.attn.project_qkv(layer.attn_norm(h), cos, sin)  # only the new tokens' K, V
+        if i in cache:
+            k, v = torch.cat([cache[i][0], k], dim=2), torch.cat([cache[i][1], v], dim=2)
+        cache[i] = (k, v)
+        out = naive_attention_fp32(q, k, v)                             # new queries see every stored key
+        h = h + layer.attn.wo(out.transpose(1, 2).flatten(2))
+        h = h + layer.ffn(layer.ffn_norm(h))
+    return model.logits(h)[:, -1]                                       # (1, vocab): the last position
+
+def greedy_with_dict_cache(model, prompt, n):
+    cache, out = {}, []
+    logits = forward_with_dict_cache(model, torch.tensor([prompt], device=device), cache)   # prefill
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = forward_with_dict_cache(model, torch.tensor([[out[-1]]], device=device), cache)  # decode
+    return out, cache
+
 prompt = tok.encode("The three laws of robotics are")
+mine, cache = greedy_with_dict_cache(model, prompt, 8)
+print("layer 0 K after prefill + 8 steps:", tuple(cache[0][0].shape), "(batch, KV heads, positions, head dim)")
+print("dict cache vs kv_cache.generate_greedy, identical:", mine == generate_greedy(model, [prompt], 8)[0])
+"""),
+("md", r"""
+![KV cache memory against length and batch; FLOPs per token with and without a cache](../lessons/figures/kv_growth.png)
+
+*The cache grows linearly with length and batch, while recomputing without it costs a forward over the whole sequence for every token.*
+"""),
+("code", r"""
 n = 16 if QUICK else 64
 naive = generate_greedy_naive(model, prompt, n)
 cached = generate_greedy(model, [prompt], n)[0]

@@ -21,6 +21,26 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 
 The baseline repeats each K/V head for the query heads of its group. `grouped_attention` folds the group
 into the query axis instead: same numbers, each K/V head read once.
+
+First by hand, with torch primitives: 9 query heads share 3 K/V heads, so query head `h` reads K/V
+head `h // 3`. `repeat_interleave` makes those copies explicit; then it is ordinary attention, with the
+6 new queries sitting at the last 6 of 40 positions (causal). Change the head counts and re-run.
+"""),
+("code", r"""
+torch.manual_seed(0)
+q, k, v = torch.randn(1, 9, 6, 64), torch.randn(1, 3, 40, 64), torch.randn(1, 3, 40, 64)
+group = q.shape[1] // k.shape[1]                              # query heads per K/V head
+k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)   # (1, 9, 40, 64) copies
+print(f"query head 4 reads K/V head {4 // group}: {torch.equal(k_rep[:, 4], k[:, 4 // group])}")
+mask = torch.ones(6, 40, dtype=torch.bool).tril(40 - 6)       # query t sees keys 0 .. 34 + t
+scores = (q @ k_rep.transpose(-1, -2)) / q.shape[-1] ** 0.5   # (1, 9, 6, 40)
+by_hand = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v_rep
+err = (by_hand - grouped_attention(q, k, v, mask[None, None])).abs().max().item()
+print(f"by hand vs minillm.gqa.grouped_attention: max |difference| = {err:.1e}")
+print(f"K/V bytes read: {k_rep.nbytes + v_rep.nbytes} with copies, {k.nbytes + v.nbytes} without")
+"""),
+("md", r"""
+The same check over MHA, GQA and MQA head layouts, against the baseline's attention:
 """),
 ("code", r"""
 for hq, hkv in [(9, 9), (9, 3), (9, 1)]:

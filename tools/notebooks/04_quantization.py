@@ -35,9 +35,31 @@ values = {}                                    # the figures lesson 04 quotes, s
 
 Both formats keep one scale per block and 16 levels. int4 absmax spaces the levels evenly between
 -max and +max; NF4 puts them at quantiles of a normal distribution, dense near 0 where most weights are.
+
+By hand first, on one row of a real weight: cut it into blocks of 64, give each block the scale
+max|w| / 7, round w / scale to an integer in -7..7 and store it as the unsigned code q + 8 in 4 bits, two
+codes per byte. Dequantising is (code - 8) × scale. The scale is kept in fp16, so it is rounded before use.
+The checks compare the codes, the packed bytes and the dequantised row with `minillm.quant.int4`.
 """),
 ("code", r"""
 model, tok = load_model("smollm2", dtype="float32", device=device)
+row = model.layers[10].ffn.w_up.weight[0].detach().cpu()     # (576,): one output's weights
+blocks = row.reshape(-1, 64)                                 # (9, 64): one scale per block
+scale = (blocks.abs().amax(1, keepdim=True) / 7).half().float()   # symmetric int4: levels -7..7
+codes = (torch.round(blocks / scale) + 8).clamp(0, 15)       # unsigned 4-bit codes
+by_hand = ((codes - 8) * scale).flatten()
+packed = (codes.flatten()[0::2].to(torch.uint8) << 4) | codes.flatten()[1::2].to(torch.uint8)   # high nibble first
+stored = int4.quantize(row[None], 4, 64, symmetric=True)
+print("first 8 weights:", [round(x, 4) for x in row[:8].tolist()])
+print("their codes    :", codes.flatten()[:8].int().tolist(), "  block 0 scale:", f"{scale[0, 0].item():.3e}")
+print("same packed bytes:", torch.equal(packed, stored["packed"][0]),
+      "| same dequantised row:", torch.equal(by_hand, int4.fake_quantize(row, 4, 64, symmetric=True)))
+print(f"{row.numel() * 4} bytes in fp32 -> {packed.numel()} bytes of codes + {scale.numel() * 2} bytes of fp16 scales")
+"""),
+("md", r"""
+The same quantiser on a whole matrix, next to NF4 (layer 10's `w_up`):
+"""),
+("code", r"""
 w = model.layers[10].ffn.w_up.weight.detach().cpu()          # (1536, 576), a real weight
 blocks = w.reshape(-1, 64)
 normalised = (blocks / blocks.abs().amax(1, keepdim=True)).reshape(-1)

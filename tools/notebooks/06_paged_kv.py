@@ -23,6 +23,33 @@ print(machine_info(), "| quick mode" if QUICK else "")
 
 A request's logical positions map to physical blocks of 16 tokens through its block table, like pages of
 virtual memory. A block is handed out only when the previous one is full, so a request wastes at most 15 slots.
+
+On paper first, with blocks of 4 tokens and 8 physical blocks: a free list, and a plain dict from each
+request to its list of physical blocks. Position `p` of a request lives in its block `p // 4` at offset
+`p % 4`, i.e. in slot `block * 4 + offset` of the cache viewed as one long row of token slots. The
+library's `BlockManager` must give the same tables and slots for the same requests.
+"""),
+("code", r"""
+block_size, free = 4, list(range(8))                 # physical blocks, lowest first
+tables = {}                                          # request -> its block table
+def allocate_by_hand(seq, num_tokens):
+    tables[seq] = [free.pop(0) for _ in range(-(-num_tokens // block_size))]   # ceil: whole blocks only
+def slot_by_hand(seq, position):
+    return tables[seq][position // block_size] * block_size + position % block_size
+
+allocate_by_hand("a", 10)                            # 10 tokens -> 3 blocks, the last one half full
+allocate_by_hand("b", 5)                             # 5 tokens  -> 2 blocks
+print("by hand: a ->", tables["a"], " b ->", tables["b"], " free:", free)
+bm = BlockManager(num_blocks=8, block_size=4)
+bm.allocate("a", list(range(10)))
+bm.allocate("b", list(range(50, 55)))
+print("same block tables:", [bm.block_table(s) for s in "ab"] == [tables[s] for s in "ab"],
+      "| same slots:", bm.slot_mapping("a", 0, 10) == [slot_by_hand("a", p) for p in range(10)])
+"""),
+("md", r"""
+![Block tables of three sequences: a shared prefix with reference counts, then copy-on-write](../lessons/figures/block_table.png)
+
+*Two block tables may point at the same physical block; the first writer into a shared block gets its own copy (copy-on-write), as the next cell does with `fork`.*
 """),
 ("code", r"""
 bm = BlockManager(num_blocks=8, block_size=4)

@@ -28,24 +28,66 @@ print(machine_info(), "| quick mode" if QUICK else "")
 
 Each step shares one token budget between decodes (1 token each) and prefill chunks. Watch request 1's prompt
 arrive in two chunks while request 0 already decodes.
+
+By hand first, the whole rule in a few lines of plain Python: running requests go first, oldest first, each taking the
+tokens it still lacks (its prompt, or one token once it decodes); then waiting requests join in arrival
+order while budget is left, a long prompt taking only what is left (a chunk). A request whose tokens
+are all computed samples one more; it leaves after its last one. Change the prompt lengths or the
+budget and re-run both cells.
+"""),
+("code", r"""
+def trace_by_hand(prompt_lens, max_tokens, budget):
+    reqs = [{"id": i, "tokens": n, "computed": 0, "out": 0} for i, n in enumerate(prompt_lens)]
+    waiting, running, trace = list(reqs), [], []
+    while waiting or running:
+        left, step = budget, []
+        for r in running + waiting:                    # running first (oldest first), then arrivals in order
+            if left == 0:
+                break
+            if r in waiting:
+                waiting.remove(r); running.append(r)
+            n = min(r["tokens"] - r["computed"], left)
+            step.append((r["id"], n, r["computed"])); left -= n
+        for rid, n, _ in step:                         # after the forward
+            r = reqs[rid]; r["computed"] += n
+            if r["computed"] == r["tokens"]:           # all its tokens computed: it samples one more
+                r["out"] += 1; r["tokens"] += 1
+                if r["out"] == max_tokens:
+                    running.remove(r)
+        trace.append(step)
+    return trace
+
+prompt_lens, max_tokens, budget = [40, 100, 20], 3, 96
+by_hand = trace_by_hand(prompt_lens, max_tokens, budget)
+for i, step in enumerate(by_hand):
+    print(f"step {i}: " + ", ".join(f"req {rid}: {n} tok (from {start})" for rid, n, start in step))
+"""),
+("md", r"""
+The same three requests through `minillm.scheduler.Scheduler` and its block manager:
 """),
 ("code", r"""
 def fake(rid, n, max_tokens=3):
     return Request(str(rid), None, list(range(100, 100 + n)), SamplingParams(temperature=0, max_tokens=max_tokens),
                    None, RequestMetrics(0.0))
-sched = Scheduler(BlockManager(64, 16), max_num_batched_tokens=96)
-for rid, n in enumerate([40, 100, 20]):
-    sched.add(fake(rid, n))
-step = 0
+sched = Scheduler(BlockManager(64, 16), max_num_batched_tokens=budget)
+for rid, n in enumerate(prompt_lens):
+    sched.add(fake(rid, n, max_tokens))
+library = []
 while sched.has_unfinished():
     plan = sched.schedule()
-    print(f"step {step}: " + ", ".join(f"req {r.request_id}: {n} tok (from {r.num_computed_tokens})"
-                                       for r, n in zip(plan.requests, plan.num_new_tokens)))
+    library.append([(int(r.request_id), n, r.num_computed_tokens) for r, n in zip(plan.requests, plan.num_new_tokens)])
+    print(f"step {len(library) - 1}: " + ", ".join(f"req {r.request_id}: {n} tok (from {r.num_computed_tokens})"
+                                                   for r, n in zip(plan.requests, plan.num_new_tokens)))
     for r in sched.update(plan):            # what the engine does after the forward
         r.output_token_ids.append(7)
         if len(r.output_token_ids) == r.params.max_tokens:
             r.finish_reason = "length"; sched.finish(r)
-    step += 1
+print("hand trace vs Scheduler, same schedule:", library == by_hand)
+"""),
+("md", r"""
+![Static vs continuous batching of the same eight requests, one column per forward pass](../lessons/figures/batching_gantt.png)
+
+*Drawn from a real scheduler trace: static batching keeps computing rows of finished requests until the longest one ends, continuous batching lets new requests take their place at the next step.*
 """),
 ("md", r"""
 ## 2. The engine on SmolLM2, and the same tokens as one at a time

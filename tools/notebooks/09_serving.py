@@ -32,6 +32,17 @@ print("serving at", server.base_url)
 ## 1. The OpenAI client, unchanged
 
 The client only needs a base URL. `api_key` is required by the SDK but ignored by the server.
+
+Underneath, a request is a JSON body POSTed to `/v1/chat/completions`, and the answer is a JSON object
+with `choices[0].message.content` and `usage`. Written by hand with plain HTTP first, then through the
+SDK: at temperature 0 both must carry the same text.
+"""),
+("code", r"""
+body = {"model": "smollm2", "messages": [{"role": "user", "content": "Give me three tips for readable code."}],
+        "max_tokens": 48, "temperature": 0}
+by_hand = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=120).json()
+print("response keys:", sorted(by_hand), "| object:", by_hand["object"])
+print("choice keys:", sorted(by_hand["choices"][0]), "| usage:", by_hand["usage"])
 """),
 ("code", r"""
 client = openai.OpenAI(base_url=server.base_url, api_key="unused")
@@ -41,6 +52,7 @@ reply = client.chat.completions.create(
     max_tokens=48, temperature=0)
 print(reply.choices[0].message.content)
 print(reply.usage)
+print("SDK vs hand-made request, same text:", reply.choices[0].message.content == by_hand["choices"][0]["message"]["content"])
 """),
 ("md", r"""
 ## 2. Streaming: server-sent events, one chunk per token
@@ -62,14 +74,23 @@ for chunk in client.chat.completions.create(
 print(f"\n\nTTFT {arrivals[0]*1e3:.0f} ms, mean gap after it {1e3*(arrivals[-1]-arrivals[0])/max(1, len(arrivals)-1):.0f} ms")
 """),
 ("md", r"""
-What travels on the wire (the same request through plain HTTP):
+What travels on the wire (the same request through plain HTTP), parsed by hand: every non-empty line
+is `data: ` followed by one JSON chunk, until `data: [DONE]`. Joined, the chunks' texts must be the text
+of the same request sent without `stream`.
 """),
 ("code", r"""
+import json
 body = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "stream": True}
+pieces = []
 with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
     for line in response.iter_lines():
         if line:
             print(line)
+        if line.startswith("data: ") and line != "data: [DONE]":
+            pieces.append(json.loads(line[len("data: "):])["choices"][0]["text"])
+whole = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, timeout=120).json()
+print("joined chunks:", repr("".join(pieces)), "| one response vs joined chunks, same text:",
+      "".join(pieces) == whole["choices"][0]["text"])
 """),
 ("md", r"""
 ## 3. minillm or vLLM: only the base URL changes
