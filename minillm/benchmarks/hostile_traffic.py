@@ -222,7 +222,7 @@ def generated_bodies(n: int) -> list[tuple[str, bytes, str]]:
         path = draw(st.sampled_from(["completions", "chat/completions"]))
         field = draw(st.sampled_from([f for f in wrong if f != ("prompt" if path.startswith("chat") else "messages")]))
         body = {**valid_body(path), **draw(extras), field: draw(wrong[field])}
-        return raw(path, json.dumps(body).encode())      # ensure_ascii: lone surrogates travel as \udXXX
+        return raw(path, json.dumps(body).encode())      # ensure_ascii: a lone surrogate travels as a \u escape
 
     found = []
 
