@@ -7,16 +7,17 @@ import torch and the whole engine with it.
 import importlib
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
 
-_DEFINED_IN = {"LLM": ".llm", "SamplingParams": ".sampling", "RequestOutput": ".outputs",
+_DEFINED_IN = {"LLM": ".llm", "SamplingParams": ".sampling", "GuidedDecodingParams": ".sampling",
+               "RequestOutput": ".outputs",
                "CompletionOutput": ".outputs", "Logprob": ".outputs"}
 
 if TYPE_CHECKING:                      # for editors and type checkers; at run time __getattr__ imports them
     from .llm import LLM
     from .outputs import CompletionOutput, Logprob, RequestOutput
-    from .sampling import SamplingParams
+    from .sampling import GuidedDecodingParams, SamplingParams
 
 
 def __getattr__(name: str):

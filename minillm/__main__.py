@@ -15,13 +15,14 @@ def _generate(args) -> None:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
-    for prompt in args.prompt:
-        if args.chat:
-            prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])
-        for piece in llm.stream(prompt, params):
-            print(piece, end="", flush=True)
-        print()
+    with LLM(model=args.model, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
+             pipeline_parallel_size=args.pipeline_parallel_size) as llm:     # under torchrun only rank 0 gets here
+        for prompt in args.prompt:
+            if args.chat:
+                prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])
+            for piece in llm.stream(prompt, params):
+                print(piece, end="", flush=True)
+            print()
 
 
 def _bench(args) -> None:
@@ -55,7 +56,8 @@ def _serve(args) -> None:
               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
-              kv_cache_dtype=args.kv_cache_dtype, prefix_cache=args.prefix_cache)
+              kv_cache_dtype=args.kv_cache_dtype, prefix_cache=args.prefix_cache,
+              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
     name = args.served_model_name or args.model
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI-compatible)", flush=True)
     limits = {key: getattr(args, key) for key in ("max_waiting", "max_body_bytes", "stall_timeout_s")
@@ -84,9 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or an HF folder")
         p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
 
+    def parallel_args(p):                   # minillm/parallel, lesson 11; works under torchrun too
+        p.add_argument("--tensor-parallel-size", type=int, default=1, help="split every layer over N processes")
+        p.add_argument("--pipeline-parallel-size", type=int, default=1, help="split the layers into N stages")
+
     g = sub.add_parser("generate", help="stream a completion for each PROMPT")
     model_args(g)
     g.add_argument("--device", default="auto")
+    parallel_args(g)
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -111,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     model_args(s)
     s.add_argument("--device", default="auto")
+    parallel_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: --model)")

@@ -86,8 +86,12 @@ class Engine:
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching, prefix_cache)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    enable_chunked_prefill)
-        self.kv = PagedKVCache(cfg, num_kv_blocks, block_size, dtype, llm.device, kv_cache_dtype)
-        self.runner = ModelRunner(llm.model, self.kv, llm.rope)
+        if getattr(llm, "parallel", None) is None:
+            self.kv = PagedKVCache(cfg, num_kv_blocks, block_size, dtype, llm.device, kv_cache_dtype)
+            self.runner = ModelRunner(llm.model, self.kv, llm.rope)
+        else:           # tensor/pipeline parallel: every rank builds its part of the cache (minillm/parallel)
+            self.kv, self.runner = llm.parallel.start_engine(llm.model, llm.rope, num_kv_blocks, block_size,
+                                                             kv_cache_dtype)
         # model_runner.group_by_length, for CPU attention; the GPU kernel takes every row at once
         self.decode_group_cost = None if self.runner.use_triton else GROUP_COST_BLOCKS
         self.requests: dict[str, Request] = {}
@@ -135,8 +139,9 @@ class Engine:
         batch = build_batch(runs, wants, bm.block_size, self.kv.k.device, self.decode_group_cost)
         logits = self.runner.forward(batch)                                # (K, V)
         to_sample = set(map(id, self.scheduler.update(plan)))
-        # greedy rows: one argmax over the whole (K, V) block, in fp32 (bf16 argmax is slower on CPU)
-        any_greedy = any(r.params.greedy for r in plan.requests if id(r) in to_sample)
+        # greedy rows: one argmax over the whole (K, V) block, in fp32 (bf16 argmax is slower on CPU);
+        # guided rows must take the argmax of their masked logits: append_token does it
+        any_greedy = any(r.params.greedy and r.guide is None for r in plan.requests if id(r) in to_sample)
         greedy = logits.float().argmax(-1).tolist() if any_greedy else []
         events, row = [], 0
         for req, n, want in zip(plan.requests, plan.num_new_tokens, wants):
@@ -148,7 +153,7 @@ class Engine:
                     self.llm.set_prompt_logprobs(req, torch.cat(req.prompt_logits))
                     req.prompt_logits = []
             if id(req) in to_sample:
-                token = greedy[row - 1] if req.params.greedy else None
+                token = greedy[row - 1] if req.params.greedy and req.guide is None else None
                 events.append((req, self.llm.append_token(req, mine[-1], token)))
                 if req.finished:
                     self.scheduler.finish(req)

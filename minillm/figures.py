@@ -569,6 +569,110 @@ def draw_speculative_timeline(path: Path, quick: bool = False, k: int = 4, max_t
     return save(fig, path)
 
 
+# ------------------------------------------------------------------------------------ 12 radix tree
+
+@dataclass
+class RadixNodeView:
+    """One node of the tree as drawn: its words, its KV blocks, and who holds them."""
+    depth: int
+    words: list[str]
+    blocks: list[int]
+    held: bool                               # some running sequence's block table has its blocks
+    children: list["RadixNodeView"] = field(default_factory=list)
+
+
+RADIX_SYSTEM = "you are a tutor , answer in one line".split()
+RADIX_REQUESTS = {                           # (name, words after the system prompt, still running?)
+    "chat 1, turn 1": ("user : what is a kv cache ? bot : keys and values kept".split(), False),
+    "chat 1, turn 2": ("user : what is a kv cache ? bot : keys and values kept user : why keep them ?".split(),
+                       True),
+    "chat 2": ("user : explain paging like i am five please".split(), False),
+    "few-shot": ("example : good film -> positive example : dull -> negative".split(), True),
+}
+
+
+def radix_tree_trace(block_size: int = 4) -> tuple[RadixNodeView, dict[str, int]]:
+    """A real BlockManager run with prefix_cache="radix": the requests of RADIX_REQUESTS arrive one
+    after another, each computes its prompt, and those not marked running finish. Returns the
+    tree as drawn and each request's cached prefix tokens at admission."""
+    words = list(dict.fromkeys(RADIX_SYSTEM + [w for text, _ in RADIX_REQUESTS.values() for w in text]))
+    vocab = {w: i for i, w in enumerate(words)}
+    bm = BlockManager(64, block_size, enable_prefix_caching=True, prefix_cache="radix")
+    hits = {}
+    for name, (text, running) in RADIX_REQUESTS.items():
+        ids = [vocab[w] for w in RADIX_SYSTEM + text]
+        hits[name] = bm.allocate(name, ids)
+        bm.mark_computed(name, len(ids))
+        if not running:
+            bm.free(name)
+    tree = bm.prefix_cache
+
+    def view(node, depth):
+        return RadixNodeView(depth, [words[t] for t in node.tokens], list(node.blocks),
+                             any(not tree.is_evictable(b) for b in node.blocks),
+                             [view(c, depth + 1) for c in node.children.values()])
+    return view(tree.root, 0), hits
+
+
+def draw_radix_tree(path: Path, prefix_json: Path = ROOT / "results" / "prefix.json") -> Path:
+    """Left: the tree of radix_tree_trace; right: hash vs radix on the measured workloads
+    (results/prefix.json: hit rate and peak KV blocks held), when that file exists."""
+    root, _ = radix_tree_trace()
+    fig = new_figure(4.6)
+    left, right = fig.subplots(1, 2, width_ratios=(1.6, 1))
+    leaves = []
+
+    def place(node):                          # x of a node = the middle of its leaves
+        if not node.children:
+            leaves.append(node)
+            node.x = len(leaves) - 1
+        else:
+            xs = [place(c) for c in node.children]
+            node.x = sum(xs) / len(xs)
+        return node.x
+
+    place(root)
+    max_depth, stack = 0, [root]
+    while stack:
+        node = stack.pop()
+        max_depth = max(max_depth, node.depth)
+        stack += node.children
+    w, h = 0.9, 0.62
+
+    def draw(node):
+        y = max_depth - node.depth
+        if node.depth == 0:
+            box(left, node.x - w / 4, y, w / 2, h / 2, "root", COLORS["free"], fontsize=7)
+        else:
+            lines = [" ".join(node.words[i:i + 4]) for i in range(0, len(node.words), 4)]
+            label = "\n".join(lines[:3] + (["..."] if len(lines) > 3 else []))
+            box(left, node.x - w / 2, y, w, h, f"{label}\nblocks {node.blocks}",
+                COLORS["shared"] if node.held else COLORS["own"], fontsize=5.5)
+        for child in node.children:
+            arrow(left, (node.x, y), (child.x, max_depth - child.depth + h))
+            draw(child)
+
+    draw(root)
+    left.set_xlim(-0.6, len(leaves) - 0.4)
+    left.set_ylim(-0.2, max_depth + 0.8)
+    left.axis("off")
+    left.set_title("radix tree after 4 requests (block size 4): yellow held, blue cached only", fontsize=8)
+    if prefix_json.is_file():
+        rows = [r for r in json.loads(prefix_json.read_text())["results"] if r["pool"] == "roomy"]
+        names = list(dict.fromkeys(r["workload"] for r in rows))
+        for k, mode in enumerate(("hash", "radix")):
+            mine = {r["workload"]: r for r in rows if r["mode"] == mode}
+            right.barh([i + 0.4 * k for i in range(len(names))], [mine[n]["peak_blocks_used"] for n in names],
+                       height=0.4, color=COLORS["own"] if mode == "hash" else COLORS["shared"], label=mode)
+        right.set_yticks([i + 0.2 for i in range(len(names))], names, fontsize=7)
+        right.set_xlabel("peak KV blocks held (same hits, same tokens)", fontsize=7)
+        right.legend(fontsize=7)
+        right.set_title("measured: bench prefix", fontsize=8)
+    else:
+        right.axis("off")
+    return save(fig, path)
+
+
 # ------------------------------------------------------------------------------------ all of them
 
 FIGURES = {
@@ -578,6 +682,8 @@ FIGURES = {
     "block_table.png": lambda out, quick: draw_block_table(out),
     "batching_gantt.png": lambda out, quick: draw_batching_gantt(out),
     "speculative_timeline.png": lambda out, quick: draw_speculative_timeline(out, quick),
+    "radix_tree.png": lambda out, quick: draw_radix_tree(out),
+    "parallelism.png": lambda out, quick: draw_parallelism(out),
 }
 
 
@@ -586,3 +692,61 @@ def draw_all(out_dir: Path | str | None = None, quick: bool = False) -> list[Pat
     random model instead of SmolLM2."""
     out_dir = Path(out_dir) if out_dir else OUT_DIR
     return [draw(out_dir / name, quick) for name, draw in FIGURES.items()]
+
+
+# ------------------------------------------------------------------ lesson 11: parallelism
+
+def tp_split_trace(size: int = 3) -> list[tuple[range, range]]:
+    """Per rank of shard_model (a tiny model; slicing needs no processes): the rows of the full W_up
+    (column-parallel: output features) and the columns of the full W_down (row-parallel: input
+    features) that rank holds, found by matching its weights against the full ones."""
+    from .parallel.tensor import shard_model
+
+    cfg = tiny_config(n_heads=3, n_kv_heads=3, n_layers=1, dim=12, ffn_dim=18, head_dim=4, vocab_size=30)
+    full = random_model(cfg)
+    up, down = full.layers[0].ffn.w_up.weight, full.layers[0].ffn.w_down.weight       # (F, d), (d, F)
+    spans = []
+    for rank in range(size):
+        ffn = shard_model(full, rank, size).layers[0].ffn
+        n_rows, n_cols = ffn.w_up.weight.shape[0], ffn.w_down.weight.shape[1]
+        row = next(i for i in range(up.shape[0] - n_rows + 1) if torch.equal(up[i:i + n_rows], ffn.w_up.weight))
+        col = next(j for j in range(down.shape[1] - n_cols + 1) if torch.equal(down[:, j:j + n_cols], ffn.w_down.weight))
+        spans.append((range(row, row + n_rows), range(col, col + n_cols)))
+    return spans
+
+
+def draw_parallelism(path: Path, size: int = 3, stages: int = 3, micro: int = 4) -> Path:
+    """Left: the FFN's two matrices as shard_model splits them over `size` ranks. Right: GPipe's
+    schedule of `micro` micro-batches over `stages` stages, its idle slots the bubble."""
+    from .parallel.pipeline import bubble_fraction, gpipe_schedule
+
+    fig = new_figure(3.6)
+    left, right = fig.subplots(1, 2, width_ratios=[1.1, 1])
+    rank_colors = ["#8fb8de", "#f2c85b", "#8fd18f", "#e58a8a"]
+    spans = tp_split_trace(size)
+    F, d = spans[-1][0].stop, 12
+    for r, (rows, cols) in enumerate(spans):      # W_up (F x d) drawn with rows as bands; W_down (d x F) columns
+        box(left, 0, F - rows.stop, d / 2, len(rows), f"rank {r}\nrows {rows.start}-{rows.stop - 1}", rank_colors[r], 7)
+        box(left, 9 + cols.start, F / 2 - d / 4, len(cols), d / 2, f"rank {r}\ncols {cols.start}-{cols.stop - 1}",
+            rank_colors[r], 7)
+    left.text(d / 4, F + 0.8, "W_up, W_gate: column-parallel\n(split outputs: no communication)", ha="center", fontsize=8)
+    left.text(9 + F / 2, F / 2 + d / 4 + 0.8, "W_down, o_proj: row-parallel\n(split inputs: partial sums)",
+              ha="center", fontsize=8)
+    arrow(left, (d / 2 + 0.3, F / 2), (8.7, F / 2))
+    left.text(9 + F / 2, F / 2 - d / 4 - 2.2, "one all-reduce adds the partial sums", ha="center", fontsize=8)
+    left.set_xlim(-0.5, 9 + F + 0.5)
+    left.set_ylim(-3, F + 3.5)
+    left.axis("off")
+    left.set_title(f"tensor parallel FFN over {size} ranks (from shard_model)", fontsize=9)
+    for s, j, t in gpipe_schedule(stages, micro):
+        box(right, t, stages - 1 - s, 1, 0.8, f"mb {j}", rank_colors[j % len(rank_colors)], 7)
+    span = micro + stages - 1
+    for s in range(stages):
+        right.text(-0.2, stages - 1 - s + 0.4, f"stage {s}", ha="right", va="center", fontsize=7)
+    right.set_xlim(-1.6, span + 0.2)
+    right.set_ylim(-0.4, stages + 0.2)
+    right.set_xlabel("time (one slot = one micro-batch through one stage)", fontsize=7)
+    right.set_yticks([])
+    right.set_title(f"GPipe, p={stages}, m={micro}: idle (p-1)/(m+p-1) = {bubble_fraction(stages, micro):.0%} "
+                    f"of {span} slots", fontsize=9)
+    return save(fig, path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from typing import Iterator
 
 import torch
@@ -38,11 +39,14 @@ class LLM:
                  num_speculative_tokens: int = 5, block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
-                 kv_cache_dtype: str = "auto", prefix_cache: str = "hash", tokenizer=None):
+                 kv_cache_dtype: str = "auto", prefix_cache: str = "hash", tokenizer=None,
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
         """model: "smollm2", a .gguf path or an HF folder; or an already-built minillm Llama
         module together with its `tokenizer` (tests use a tiny random model this way).
         prefix_cache: the index enable_prefix_caching uses, "hash" (vLLM's block hashes) or
-        "radix" (SGLang's radix tree); "radix" without enable_prefix_caching is refused."""
+        "radix" (SGLang's radix tree); "radix" without enable_prefix_caching is refused.
+        tensor_parallel_size / pipeline_parallel_size > 1: the model is split over that many
+        processes (minillm/parallel, lesson 11), started here and stopped by close()."""
         from .model import Llama
         from .quant import METHODS as QUANT_METHODS
 
@@ -50,6 +54,8 @@ class LLM:
             raise ValueError(f"quantization = {quantization!r} is not supported; allowed: None, "
                              f"{', '.join(map(repr, QUANT_METHODS))}")
         check_prefix_cache(prefix_cache, enable_prefix_caching)         # before the model loads
+        self.parallel = None
+        mode, size = _parallel_mode(tensor_parallel_size, pipeline_parallel_size, quantization, speculative_method)
         if speculative_method is not None:
             from .speculative import check_args
             check_args(speculative_method, num_speculative_tokens)
@@ -85,6 +91,12 @@ class LLM:
             raise ValueError(f"kv_cache_dtype = {kv_cache_dtype!r} needs the batching engine; speculative decoding "
                              f"runs on the contiguous cache: use kv_cache_dtype='auto' with speculative_method")
         self._engine = None                  # built on first use: it allocates the KV pool
+        if mode is not None:                 # last, so that no check above can fail with workers running
+            from .parallel.workers import start
+            source = None if isinstance(model, Llama) else str(model)      # how the workers get the weights
+            self.parallel, self.model = start(self.model, source, mode, size, dtype, self.device)
+            weakref.finalize(self, self.parallel.close)
+            fuse_projections(self.model)     # rank 0's shard or stage: views again, as above
 
     @property
     def engine(self) -> Engine:
@@ -93,6 +105,17 @@ class LLM:
         if self._engine is None or self._engine.runner.model is not self.model:
             self._engine = Engine(self, **self.engine_args)
         return self._engine
+
+    def close(self) -> None:
+        """Stop the tensor/pipeline-parallel worker processes (nothing to do for one process)."""
+        if self.parallel is not None:
+            self.parallel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def _quantize(self, method: str) -> None:
         """Weight-only quantisation of every linear layer (lesson 04); GPTQ and AWQ calibrate on
@@ -153,16 +176,50 @@ class LLM:
             requests.append(Request(
                 request_id=str(next(_request_counter)), prompt=text, prompt_token_ids=ids, params=params,
                 generator=make_generator(params, self.device), metrics=RequestMetrics(time.time()),
-                output_logprobs=[] if params.logprobs is not None else None))
+                output_logprobs=[] if params.logprobs is not None else None, guide=self.make_guide(params)))
         return requests
+
+    def make_guide(self, params: SamplingParams):
+        """The request's structured-output state (minillm/guided), or None for free text. The
+        constraint is compiled here (cached per tokenizer), so a bad schema or regex is a
+        ValueError before any token is generated."""
+        guided = params.guided_decoding
+        if guided is None:
+            return None
+        if self.speculative_method is not None:
+            raise ValueError(f"guided_decoding with speculative_method = {self.speculative_method!r} is not "
+                             f"supported (drafted tokens would need the grammar too); use speculative_method=None")
+        from .guided.guide import GuideState, check_jump_forward, compile_guide
+
+        if guided.jump_forward:
+            check_jump_forward(self.tokenizer)
+        return GuideState(compile_guide(guided, self.tokenizer, self.config.vocab_size), guided.jump_forward)
 
     # ---- one step of a request: shared by every runner ---------------------------------------
 
     def append_token(self, req: Request, logits: torch.Tensor, token: int | None = None) -> str:
         """Sample from logits (V,) (or take `token`, chosen by a verifier), append, update
-        text/stop state. Returns the new visible text. logits feed the logprobs either way."""
+        text/stop state. Returns the new visible text. logits feed the logprobs either way.
+
+        Guided requests sample from the logits with the grammar's forbidden tokens at -inf;
+        their logprobs are the model's own (raw, unmasked) distribution, like vLLM's default.
+        With jump-forward, the tokens the grammar then forces are appended too, unsampled."""
+        guide = req.guide
         if token is None:
-            token = sample(logits, req.params, req.generator)
+            token = sample(logits if guide is None else guide.masked(logits), req.params, req.generator)
+        self._push_token(req, token, logits)
+        if guide is not None and guide.jump_forward and not req.finished:
+            for forced in guide.forced_tokens():
+                self._push_token(req, forced, None)
+                guide.num_forced_tokens += 1
+                if req.finished:
+                    break
+        return _visible_delta(req)
+
+    def _push_token(self, req: Request, token: int, logits: torch.Tensor | None) -> None:
+        """Append one token and apply the stop rules (logits None: a jump-forward token)."""
+        if req.guide is not None:
+            req.guide.advance(token)
         now = time.time()
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
@@ -189,7 +246,6 @@ class LLM:
         if req.finished:
             req.metrics.finished_time = now
         req.metrics.num_generated_tokens = len(req.output_token_ids)
-        return _visible_delta(req)
 
     def set_prompt_logprobs(self, req: Request, prompt_logits: torch.Tensor) -> None:
         """prompt_logits (T, V): position t predicts token t + 1."""
@@ -230,11 +286,14 @@ class LLM:
             logits = logits[-1]
         else:
             logits = step(prompt)[0]                                          # (V,)
+        computed = len(req.prompt_token_ids)
         while True:
             yield self.append_token(req, logits)
             if req.finished:
                 return
-            logits = step(prompt.new_tensor([[req.output_token_ids[-1]]]))[0]
+            new = req.all_token_ids[computed:]        # the sampled token (+ any jump-forward tokens)
+            computed += len(new)
+            logits = step(prompt.new_tensor([new]))[0]                        # (V,) after the last of them
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -247,7 +306,7 @@ class LLM:
         from tqdm.auto import tqdm
 
         contiguous = self.speculative_method is not None or (
-            len(requests) == 1 and not self.engine_args["enable_prefix_caching"]
+            len(requests) == 1 and self.parallel is None and not self.engine_args["enable_prefix_caching"]
             and self.engine_args["kv_cache_dtype"] == "auto")
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
             if not contiguous:
@@ -286,6 +345,23 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _parallel_mode(tensor_parallel_size, pipeline_parallel_size, quantization, speculative_method):
+    """-> ("tensor" | "pipeline" | None, size), checked before anything loads."""
+    for name, value in (("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} = {value!r} is invalid; allowed: an integer >= 1")
+    if tensor_parallel_size > 1 and pipeline_parallel_size > 1:
+        raise ValueError(f"tensor_parallel_size = {tensor_parallel_size} with pipeline_parallel_size = "
+                         f"{pipeline_parallel_size} is not supported; allowed: one of them > 1")
+    size = max(tensor_parallel_size, pipeline_parallel_size)
+    if size == 1:
+        return None, 1
+    if quantization is not None or speculative_method is not None:
+        raise ValueError("tensor/pipeline parallelism runs the unquantised model on the batching engine; allowed "
+                         "with it: quantization=None and speculative_method=None")
+    return ("tensor" if tensor_parallel_size > 1 else "pipeline"), size
 
 
 def _logprob_entry(logits: torch.Tensor, token: int, k: int, tokenizer) -> tuple[dict[int, Logprob], float]:

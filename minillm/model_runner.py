@@ -206,11 +206,16 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, batch: PagedBatch) -> torch.Tensor:
         """-> logits (K, V) of batch.logits_rows."""
+        h = self.forward_layers(self.model.embed(batch.tokens), batch)   # (N, dim)
+        return lm_head(self.model, h[batch.logits_rows])                 # (K, V)
+
+    @torch.no_grad()
+    def forward_layers(self, h: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        """h (N, dim) through every layer of self.model (a pipeline stage runs only its own)."""
         model, cfg = self.model, self.model.cfg
         Hq, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         N = batch.tokens.shape[0]
         rotation = self.rope.rotation[batch.positions][:, None]          # (N, 1, D/2) complex
-        h = model.embed(batch.tokens)                                    # (N, dim)
         buffers = self._decode_buffers(batch)
         for i, layer in enumerate(model.layers):
             q, k, v = self._qkv(layer.attn, rms_norm(layer.attn_norm, h), rotation)   # (N, H, D) each, q k rotated
@@ -223,7 +228,7 @@ class ModelRunner:
                 h = h + linear(layer.ffn.w_down, F.silu(gate) * up)
             else:
                 h = h + layer.ffn(x)
-        return lm_head(model, h[batch.logits_rows])                      # (K, V)
+        return h
 
     def _qkv(self, attn, x, rotation):
         """-> q (N, Hq, D), k (N, Hkv, D) with RoPE applied, v (N, Hkv, D)."""

@@ -51,6 +51,7 @@ class Request:
     num_cached_tokens: int = 0             # prompt tokens served by the prefix cache (last admission)
     num_preemptions: int = 0
     prompt_logits: list = field(default_factory=list)   # (T_chunk, V) pieces, for prompt_logprobs
+    guide: object | None = None            # guided decoding: a minillm.guided GuideState (None: free text)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -12,6 +12,35 @@ import torch
 
 
 @dataclass
+class GuidedDecodingParams:
+    """Structured output (vLLM's names): exactly one of json (a JSON schema, dict or text), regex,
+    choice (a list of strings) or json_object=True (any JSON object). jump_forward (minillm's,
+    off by default) appends the tokens the grammar forces without sampling them (minillm/guided)."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    jump_forward: bool = False
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "json_object") if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"GuidedDecodingParams takes exactly one of json, regex, choice, json_object=True; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"GuidedDecodingParams.choice = {self.choice!r} is invalid; allowed: a non-empty list "
+                             f"of non-empty strings")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError(f"GuidedDecodingParams.regex must be a string; got {type(self.regex).__name__}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"GuidedDecodingParams.json must be a schema (a dict or its JSON text); "
+                             f"got {type(self.json).__name__}")
+        if self.json_object not in (None, True, False) or not isinstance(self.jump_forward, bool):
+            raise ValueError("GuidedDecodingParams.json_object and jump_forward must be booleans")
+
+
+@dataclass
 class SamplingParams:
     temperature: float = 1.0     # 0 means greedy
     top_p: float = 1.0           # nucleus: keep the smallest set of tokens with mass >= top_p
@@ -23,6 +52,7 @@ class SamplingParams:
     logprobs: int | None = None           # per generated token: its logprob + the top-k
     prompt_logprobs: int | None = None    # per prompt position: the actual token's logprob + top-k
     stop_token_ids: list[int] = field(default_factory=list)
+    guided_decoding: GuidedDecodingParams | None = None   # structured output: json / regex / choice
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -56,6 +86,15 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not integer(v) or v < 0):
                 bad(name, "None or an integer >= 0")
+        guided = self.guided_decoding
+        if guided is not None:
+            if not isinstance(guided, GuidedDecodingParams):
+                bad("guided_decoding", "None or a GuidedDecodingParams")
+            if self.ignore_eos:
+                bad("ignore_eos", "False with guided_decoding (the output must end where the grammar lets it end)")
+            if guided.jump_forward and self.logprobs is not None:
+                bad("logprobs", "None with guided_decoding.jump_forward (jump-forward tokens are not sampled: "
+                                "they have no logits)")
 
     @property
     def greedy(self) -> bool:

@@ -9,6 +9,10 @@ server-sent events or not), GET /health, GET /debug/engine (KV block and request
 
 Also GET /metrics (Prometheus text). With an API key, /v1/* wants `Authorization: Bearer KEY`.
 
+Structured output (minillm/guided/api.py): response_format json_schema / json_object, vLLM's
+guided_json / guided_regex / guided_choice, and tools with tool_choice naming a function or
+"required", answered as tool_calls (finish_reason "tool_calls"), streamed or not.
+
 Architecture: the engine is not thread-safe, so exactly one thread owns it: the EngineWorker
 (minillm/engine_worker.py). This module is the HTTP side: it validates, tokenises, submits a
 Request to the worker and streams the Deltas it sends back, aborting the request when its
@@ -35,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine_worker import Delta, EngineFailure, EngineWorker, QueueFull, _Sink
+from .guided.api import ToolCallPlan, guided_from_fields
 from .request import Request
 from .sampling import SamplingParams
 
@@ -54,7 +59,6 @@ UNSUPPORTED_FIELDS = {
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
-    "tools": (None, []),
 }
 
 
@@ -106,6 +110,13 @@ class _RequestBody(BaseModel):
     stream_options: dict[str, Any] | None = None
     top_k: int | None = None
     ignore_eos: bool = False
+    # structured output (minillm/guided/api.py)
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -266,6 +277,43 @@ async def _event_stream(job: Job, shape: _Shape, include_usage: bool) -> AsyncIt
     yield "data: [DONE]\n\n"
 
 
+async def _tool_event_stream(job: Job, plan: ToolCallPlan, include_usage: bool) -> AsyncIterator[str]:
+    """A tool call streamed as OpenAI does: the call's id and name first, then its arguments in
+    pieces. With tool_choice "required" the name is only known at the end: one piece then."""
+    head = job.head(CHAT.chunk_object)
+
+    def chunk(delta: dict, finish_reason: str | None = None) -> str:
+        return _sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                          "finish_reason": finish_reason}]})
+
+    def call(**function) -> dict:
+        return {"tool_calls": [{"index": 0, **function}]}
+
+    try:
+        try:
+            yield chunk({"role": "assistant", "content": None})
+            text = []
+            if plan.named:
+                name = plan.functions[0]["name"]
+                yield chunk(call(id=f"call_{uuid.uuid4().hex[:24]}", type="function",
+                                 function={"name": name, "arguments": ""}))
+            async for delta in job.deltas():
+                text.append(delta.text)
+                if plan.named and delta.text:
+                    yield chunk(call(function={"arguments": delta.text}))
+            if not plan.named and job.finish_reason == "stop":
+                (whole,) = plan.tool_calls("".join(text))
+                yield chunk(call(**whole))
+            yield chunk({}, "tool_calls" if job.finish_reason == "stop" else job.finish_reason)
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": job.usage()})
+        except EngineFailure as e:
+            yield _sse(_engine_error(e).body())
+    finally:
+        job.close()
+    yield "data: [DONE]\n\n"
+
+
 def _engine_error(e: EngineFailure) -> APIError:
     return APIError(400, str(e)) if e.client_error else APIError(500, str(e), type="server_error")
 
@@ -303,17 +351,27 @@ class OpenAIServer:
 
     async def completions(self, body: CompletionBody, http: HTTPRequest):
         self._check(body)
+        if body.tools:
+            raise APIError(400, "tools are answered by /v1/chat/completions, not /v1/completions", param="tools")
+        guided, _ = self._guided(body)
         text, ids = self._completion_prompt(body.prompt)
-        req = self._new_request(text, ids, body, body.max_tokens, "prompt")
+        req = self._new_request(text, ids, body, body.max_tokens, "prompt", guided)
         return await self._respond(Job(self.worker, req, self.model_name, COMPLETION.id_prefix, http),
                                    COMPLETION, body, http)
 
     async def chat_completions(self, body: ChatBody, http: HTTPRequest):
         self._check(body)
-        text = self._chat_prompt(body.messages)
+        guided, plan = self._guided(body)
+        messages = body.messages
+        if plan is not None:            # the model learns what it calls from a system message
+            messages = [{"role": "system", "content": plan.system_prompt()}, *messages]
+        text = self._chat_prompt(messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        req = self._new_request(text, self.llm.get_tokenizer().encode(text), body, max_tokens, "messages")
-        return await self._respond(Job(self.worker, req, self.model_name, CHAT.id_prefix, http), CHAT, body, http)
+        req = self._new_request(text, self.llm.get_tokenizer().encode(text), body, max_tokens, "messages", guided)
+        job = Job(self.worker, req, self.model_name, CHAT.id_prefix, http)
+        if plan is not None:
+            return await self._respond_tool_calls(job, plan, body)
+        return await self._respond(job, CHAT, body, http)
 
     # helpers
     def _check(self, body: _RequestBody) -> None:
@@ -322,6 +380,14 @@ class OpenAIServer:
                                 f"`{self.model_name}`", param="model", code="model_not_found")
         body.check_supported()
         body.check_stop()
+
+    def _guided(self, body: _RequestBody):
+        """The body's output constraint and tool-call plan (minillm/guided/api.py); bad ones are 400s."""
+        try:
+            return guided_from_fields(body.response_format, body.guided_json, body.guided_regex,
+                                      body.guided_choice, body.tools, body.tool_choice)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
 
     def _completion_prompt(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -350,7 +416,7 @@ class OpenAIServer:
             raise APIError(400, str(e), param="messages") from e
 
     def _new_request(self, text: str | None, ids: list[int], body: _RequestBody,
-                     max_tokens: int | None, prompt_field: str) -> Request:
+                     max_tokens: int | None, prompt_field: str, guided=None) -> Request:
         limit = self.llm.max_model_len
         if max_tokens is None:
             max_tokens = max(1, limit - len(ids))
@@ -364,7 +430,8 @@ class OpenAIServer:
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
                 top_k=-1 if body.top_k is None else body.top_k,
-                max_tokens=max_tokens, seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos)
+                max_tokens=max_tokens, seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos,
+                guided_decoding=guided)
             (req,) = self.llm.make_requests([{"prompt": text, "prompt_token_ids": ids}], params)
         except ValueError as e:
             raise APIError(400, str(e).replace("SamplingParams.", "")) from e
@@ -379,6 +446,19 @@ class OpenAIServer:
         except EngineFailure as e:
             raise _engine_error(e) from e
         return {**job.head(shape.object), "choices": [shape.choice(text, job.finish_reason)], "usage": job.usage()}
+
+    async def _respond_tool_calls(self, job: Job, plan: ToolCallPlan, body: _RequestBody):
+        if body.stream:
+            return StreamingResponse(_tool_event_stream(job, plan, body.include_usage), media_type="text/event-stream")
+        try:
+            text = await job.text()
+        except EngineFailure as e:
+            raise _engine_error(e) from e
+        if job.finish_reason != "stop":          # cut by max_tokens: the arguments are not whole JSON
+            return {**job.head(CHAT.object), "choices": [CHAT.choice(text, job.finish_reason)], "usage": job.usage()}
+        message = {"role": "assistant", "content": None, "tool_calls": plan.tool_calls(text)}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "tool_calls"}
+        return {**job.head(CHAT.object), "choices": [choice], "usage": job.usage()}
 
 
 class _Guard:

@@ -107,3 +107,15 @@ def test_online_softmax_state_comes_from_the_librarys_lse():
         assert m == pytest.approx(float(seen.max()))
         assert l == pytest.approx(float(torch.exp(seen - m).sum()), rel=1e-5)
     assert trace.m[-1] + math.log(trace.l[-1]) == pytest.approx(float(torch.logsumexp(scores, 0)), rel=1e-5)
+
+
+def test_radix_tree_figure_is_the_trees_state():
+    root, hits = figures.radix_tree_trace(block_size=4)
+    # the 9-word system prompt fills two blocks; its last word runs again in every request
+    assert hits == {"chat 1, turn 1": 0, "chat 1, turn 2": 20, "chat 2": 8, "few-shot": 8}
+    (trunk,) = root.children
+    assert trunk.words == figures.RADIX_SYSTEM[:8] and len(trunk.children) == 3
+    turn1 = next(c for c in trunk.children if c.words[:3] == ["line", "user", ":"] and c.children)
+    assert [c.words[:3] for c in turn1.children] == [["and", "values", "kept"]]   # turn 2 extends turn 1
+    finished = next(c for c in trunk.children if "paging" in c.words)
+    assert not finished.held and trunk.held and turn1.held                     # chat 2 ended: cached only

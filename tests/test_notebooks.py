@@ -19,12 +19,17 @@ PRINTED_SAME = {
                                      "tokens identical", "same schedule"),
     "08_speculative_decoding.ipynb": ("identical",),
     "09_serving.ipynb": ("same text",),
+    "11_parallelism.ipynb": ("column slices side by side == unsplit hidden", "sum of partial products == x W^T",
+                             "counted == formula", "same", "same tokens"),
+    "12_sglang_ideas.ipynb": ("same hits as by hand", "identical tokens with none / hash / radix",
+                              "same allowed tokens as the library", "valid"),
 }
 # Printed differences between two computations of the same value: (pattern with the number, bound).
 # fp32 throughout: the bounds are rounding, far below any real disagreement.
 PRINTED_CLOSE = {
     "03_gqa.ipynb": ((r"max \|difference\| = (\S+)", 1e-5),),
     "04_quantization.ipynb": ((r"twin vs dequantise-then-matmul: max \|diff\| = (\S+)", 1e-4),),
+    "11_parallelism.ipynb": ((r"rank \d: .* max \|difference\| = (\S+)", 1e-5),),
     "05_flash_attention.ipynb": ((r"max \|flash - autograd\(naive\)\| = (\S+)", 1e-4),
                                  (r"two tiles by hand vs \S+: max \|diff\| = (\S+)", 1e-5)),
 }

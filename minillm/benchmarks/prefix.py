@@ -38,6 +38,8 @@ NAME = "prefix"
 MODES = ("none", "hash", "radix")
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024
+SYSTEM_PROMPT_TOKENS = 512          # the full run's sizes (--quick halves them)
+DOCUMENT_TOKENS = 768
 
 
 # --- workloads: lists of waves; a prompt is token ids, or a function of earlier outputs ---------
@@ -49,7 +51,7 @@ def _sentences(tok, text: str, n: int, length: int) -> list[list[int]]:
 
 
 def system_prompt(tok, text: str, quick: bool) -> list[list]:
-    system = tok.encode(text)[:256 if quick else 512]
+    system = tok.encode(text)[:SYSTEM_PROMPT_TOKENS // (2 if quick else 1)]
     questions = [tok.encode(f"\nQuestion {i}: summarise the passage above in {i + 3} words.\nAnswer:")
                  for i in range(8 if quick else 16)]
     prompts = [system + q for q in questions]
@@ -88,7 +90,7 @@ def few_shot(tok, text: str, quick: bool) -> list[list]:
 
 
 def branches(tok, text: str, quick: bool) -> list[list]:
-    document_ids = tok.encode(text)[:384 if quick else 768]
+    document_ids = tok.encode(text)[:DOCUMENT_TOKENS // (2 if quick else 1)]
     tails = [tok.encode(f"\nStep {k}: call tool number {k} on the document and report.\n") for k in range(12)]
     n = 4 if quick else 8
     return [[document_ids + tails[k] for k in range(n)], [document_ids + tails[k] + tails[k + 1] for k in range(n)]]
@@ -130,6 +132,7 @@ def run_workload(llm, waves: list[list], max_tokens: int) -> dict:
         "prefill_tokens_computed": sum(s["num_tokens"] - s["num_decodes"] for s in steps),
         "output_tokens": sum(len(o) for o in outputs),
         "preemptions": sum(s["num_preempted"] for s in steps),
+        "steps": len(steps),
         "peak_blocks_used": engine.block_manager.num_blocks - min(s["free_blocks"] for s in steps),
         "outputs": outputs,
     }
@@ -165,7 +168,7 @@ def run(quick: bool) -> dict:
                           num_kv_blocks=num_blocks, enable_prefix_caching=mode != "none",
                           prefix_cache="radix" if mode == "radix" else "hash")
                 runs[mode].append(run_workload(llm, waves, max_tokens))
-            reference = runs["none"][0]["outputs"]
+            reference, reference_prefill = runs["none"][0]["outputs"], runs["none"][0]["prefill_tokens_computed"]
             for mode in MODES:
                 r = runs[mode]
                 first = r[0]
@@ -174,11 +177,12 @@ def run(quick: bool) -> dict:
                     "workload": name, "pool": pool, "num_kv_blocks": num_blocks, "mode": mode,
                     "requests": sum(len(w) for w in waves), "prompt_tokens": first["prompt_tokens"],
                     "prefill_tokens_computed": first["prefill_tokens_computed"],
-                    "prefill_tokens_saved": runs["none"][0]["prefill_tokens_computed"] - first["prefill_tokens_computed"],
+                    "prefill_tokens_saved": reference_prefill - first["prefill_tokens_computed"],
                     "hit_rate": first["cached_tokens"] / first["prompt_tokens"],
                     "ttft_p50_s": statistics.median(x["ttft_p50_s"] for x in r),
                     "wall_s": wall, "output_tok_s": first["output_tokens"] / wall,
-                    "preemptions": first["preemptions"], "peak_blocks_used": first["peak_blocks_used"],
+                    "preemptions": first["preemptions"], "steps": first["steps"],
+                    "peak_blocks_used": first["peak_blocks_used"],
                     "outputs_equal_no_cache": all(x["outputs"] == reference for x in r),
                     "counts_stable": all(x["prefill_tokens_computed"] == first["prefill_tokens_computed"] for x in r),
                 })

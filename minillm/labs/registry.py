@@ -60,6 +60,8 @@ PG = "tests/test_paged.py::"
 PC = "tests/test_prefix_cache.py::"
 SCH = "tests/test_scheduler.py::"
 SPEC = "tests/test_speculative.py::"
+TP = "tests/test_parallel.py::"
+GUIDED = "tests/test_guided.py::"
 
 LABS: dict[str, Lab] = {lab.name: lab for lab in [
     Lab("kv_cache", 1, "KV cache: store K and V once, read them every step", 60,
@@ -231,6 +233,38 @@ LABS: dict[str, Lab] = {lab.name: lab for lab in [
          "chi-square p-values 0.23, 0.94, 0.70, 0.85 at positions 0-3 ('random' pair, k = 3; the test asks > 0.01; "
          "a sampler that skips the residual gets < 1e-6)",
          "SmolLM2, greedy, n-gram draft on a grounded prompt: 2.8x faster at k = 6 (results/speculative.json)")),
+    Lab("row_parallel", 10, "Tensor parallelism: the row-parallel linear and its all-reduce", 45,
+        ("minillm/parallel/tensor.py",),
+        ("minillm/parallel/tensor.py: row_parallel",),
+        (_t("row", "a row-parallel linear over 3 gloo ranks equals the unsplit one, one all-reduce, the bias added once",
+            TP + "test_row_parallel_linear_equals_the_unsplit_layer_with_one_all_reduce"),
+         _t("block", "attention and SwiGLU with heads and FFN split equal the unsplit block; the plain forward too",
+            TP + "test_block_with_heads_split_equals_the_unsplit_block",
+            TP + "test_plain_forward_logits_and_greedy_tokens_equal_one_process"),
+         _t("cached", "the KV-cached path on 3 shards, each caching its own KV head, equals one process",
+            TP + "test_kv_cached_path_equals_one_process_and_caches_only_own_kv_heads"),
+         _t("bytes", "the bytes all-reduced per token are 2 per layer (+ the embedding's) of dim values",
+            TP + "test_tp_bytes_counted_match_two_all_reduces_per_layer_per_token"),
+         _t("engine", "LLM(..., tensor_parallel_size=3): the batching engine over 3 processes gives one process's tokens",
+            "tests/test_parallel_llm.py::TestTensorParallelEngine::test_engine_with_tensor_parallel_3_equals_one_process")),
+        ("logits within 1e-5 of the unsplit model in fp32 (tiny model, 3 ranks; the reference reaches ~2e-6)",
+         "2 x 3 + 1 = 7 all-reduces of (tokens, dim) per forward of the 3-layer tiny model",
+         "SmolLM2 at tensor_parallel_size 3: greedy tokens identical, logprobs within 1e-5 (tests/test_parallel_llm.py)")),
+    Lab("token_mask", 11, "Structured outputs: the token-level mask from a byte DFA", 45,
+        ("minillm/guided/token_automaton.py",),
+        ("minillm/guided/token_automaton.py: allowed_tokens",),
+        (_t("walk", "in every DFA state, the allowed tokens equal a token-by-token walk (tokens that split a UTF-8 character included)",
+            GUIDED + "test_token_mask_equals_a_brute_force_walk"),
+         _t("eos", "EOS only where the output may end; a state's mask is computed once and cached",
+            GUIDED + "test_eos_only_in_accepting_states", GUIDED + "test_compiled_guides_are_cached_per_tokenizer"),
+         _t("generate", "guided generation on the tiny model: every output matches its regex or choice, on every path",
+            GUIDED + "test_guided_outputs_match_on_every_path", GUIDED + "test_guided_greedy_is_the_argmax_of_the_masked_logits",
+            GUIDED + "test_cut_by_max_tokens_is_a_valid_prefix"),
+         _t("peer", "SmolLM2's vocabulary: the same allowed tokens as outlines-core in every visited state",
+            "tests/test_guided_peer.py::test_allowed_tokens_equal_outlines_core_in_every_visited_state")),
+        ("the mask equals the brute-force walk in every state of the test DFA, for 4 random vocabularies",
+         "SmolLM2: equal to outlines-core's Index on 5 prefix-free regexes and schemas (tests/test_guided_peer.py)",
+         "a cached mask costs a lookup and a masked_fill per step (results/structured.json, warm_mask_ms)")),
 ]}
 
 

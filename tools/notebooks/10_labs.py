@@ -116,6 +116,24 @@ Write `greedy_verify` and `rejection_sample` in `minillm/speculative.py`
 result = labs.self_check("rejection_sampler", quick=QUICK)
 """),
 ("md", r"""
+## 10 · row_parallel: tensor parallelism's all-reduce
+
+Write `row_parallel` in `minillm/parallel/tensor.py`
+([handout](../lessons/labs/10-row_parallel.md)).
+"""),
+("code", r"""
+result = labs.self_check("row_parallel", quick=QUICK)
+"""),
+("md", r"""
+## 11 · token_mask: structured outputs' token mask
+
+Write `allowed_tokens` in `minillm/guided/token_automaton.py`
+([handout](../lessons/labs/11-token_mask.md)).
+"""),
+("code", r"""
+result = labs.self_check("token_mask", quick=QUICK)
+"""),
+("md", r"""
 ## Handing it in
 
 A student hands in the whole folder. The teacher grades every copy in one command, each in its own

@@ -1,0 +1,104 @@
+"""Structured outputs on the real SmolLM2: every output of a suite of schemas parses and
+validates with jsonschema, greedy and sampled; a cut by max_tokens leaves a valid prefix;
+jump-forward saves model steps and keeps outputs valid."""
+import json
+
+import pytest
+
+jsonschema = pytest.importorskip("jsonschema")
+
+from minillm import LLM, GuidedDecodingParams, SamplingParams  # noqa: E402
+from minillm.guided.regex import compile_regex  # noqa: E402
+
+SUITE = [
+    ("Describe a fictional person.",
+     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                       "age": {"type": "integer"},
+                                       "email": {"type": "string", "maxLength": 30}},
+      "required": ["name", "age"]}),                                      # an optional field
+    ("Describe a book with its author and a few genres.",
+     {"type": "object", "properties": {
+         "title": {"type": "string", "maxLength": 24},
+         "author": {"type": "object", "properties": {"first": {"type": "string", "maxLength": 16},
+                                                     "last": {"type": "string", "maxLength": 16}},
+                    "required": ["first", "last"]},
+         "genres": {"type": "array", "items": {"enum": ["fiction", "history", "science", "poetry"]},
+                    "minItems": 1, "maxItems": 3}},
+      "required": ["title", "author", "genres"]}),                        # nested object, array, enum
+    ("Give the weather in Paris: temperature in Celsius and humidity.",
+     {"type": "object", "properties": {"city": {"const": "Paris"}, "celsius": {"type": "number"},
+                                       "humidity": {"type": "integer"},
+                                       "sky": {"enum": ["sunny", "cloudy", "rain"]}},
+      "required": ["city", "celsius", "humidity", "sky"]}),               # numbers, const, enum
+    ('Quote a famous sentence that contains "double quotes" and a backslash \\ in it.',
+     {"type": "object", "properties": {"quote": {"type": "string", "minLength": 3, "maxLength": 40},
+                                       "famous": {"type": "boolean"}},
+      "required": ["quote", "famous"]}),                                  # strings with escapes
+    ("List two points of a triangle.",
+     {"type": "object", "properties": {"points": {"type": "array", "items": {"$ref": "#/$defs/p"},
+                                                  "maxItems": 3}},
+      "required": ["points"],
+      "$defs": {"p": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                      "required": ["x", "y"]}}}),                         # array of nested objects, $ref
+    ("Is the sky blue? Answer with a value.", {"anyOf": [{"type": "boolean"}, {"type": "null"}]}),
+]
+MAX_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def small_llm(smollm2_path):
+    return LLM(model=str(smollm2_path), dtype="float32", device="cpu", max_model_len=512, num_kv_blocks=96)
+
+
+def prompts(llm):
+    return [llm.tokenizer.apply_chat_template([{"role": "user", "content": q + " Reply in JSON."}])
+            for q, _ in SUITE]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_every_output_of_the_schema_suite_validates(small_llm, temperature):
+    params = [SamplingParams(temperature=temperature, seed=7, max_tokens=MAX_TOKENS,
+                             guided_decoding=GuidedDecodingParams(json=schema)) for _, schema in SUITE]
+    outs = small_llm.generate(prompts(small_llm), params, use_tqdm=False)
+    for out, (_, schema) in zip(outs, SUITE):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), schema)
+
+
+def test_cut_by_max_tokens_is_a_valid_prefix(small_llm):
+    """finish_reason 'length' and the text is a prefix of some valid document: the DFA is not dead."""
+    _, schema = SUITE[1]
+    guided = GuidedDecodingParams(json=schema)
+    (out,) = small_llm.generate(prompts(small_llm)[1:2], SamplingParams(temperature=0, max_tokens=9,
+                                                                        guided_decoding=guided), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "length"
+    from minillm.guided import guide_regex
+    dfa = compile_regex(guide_regex(guided))
+    state = dfa.walk(dfa.start, out.outputs[0].text.encode())
+    assert state != dfa.dead and not dfa.accepting[state]
+
+
+def test_jump_forward_saves_steps_and_stays_valid(small_llm):
+    """Long fixed keys are forced text: jump-forward appends them unsampled. The tokens differ from
+    plain guided decoding (the forced text is tokenised as a whole), so the equality that holds is
+    validity, not token ids; the outputs are checked on the contiguous path and the engine."""
+    schema = {"type": "object", "properties": {"the_name_of_the_city": {"type": "string", "maxLength": 20},
+                                               "the_country_it_is_in": {"enum": ["France", "Japan", "Peru"]}},
+              "required": ["the_name_of_the_city", "the_country_it_is_in"]}
+    question = small_llm.tokenizer.apply_chat_template([{"role": "user", "content": "Name a city as JSON."}])
+    base = SamplingParams(temperature=0, max_tokens=60, guided_decoding=GuidedDecodingParams(json=schema))
+    jump = SamplingParams(temperature=0, max_tokens=60,
+                          guided_decoding=GuidedDecodingParams(json=schema, jump_forward=True))
+    reqs = small_llm.make_requests([question], jump)
+    for _ in small_llm.stream_request(reqs[0]):                  # contiguous path, to read the counter
+        pass
+    plain = small_llm.generate([question], base, use_tqdm=False)[0].outputs[0]
+    forced = reqs[0].guide.num_forced_tokens
+    assert forced > 0
+    jsonschema.validate(json.loads(reqs[0].text), schema)
+    jsonschema.validate(json.loads(plain.text), schema)
+    engine = small_llm.generate([question, question], jump, use_tqdm=False)   # several tokens per step
+    for out in engine:
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert engine[0].outputs[0].token_ids == reqs[0].output_token_ids

@@ -1,0 +1,194 @@
+CELLS = [
+("md", r"""
+# 12 · SGLang's two ideas: a radix-tree prefix cache and structured outputs
+
+*Lesson: [lessons/12-sglang-ideas.md](../lessons/12-sglang-ideas.md).* Interview question:
+**那 SGLang、TGI 跟 vLLM 比怎么样？** SGLang's answer rests on two ideas, both built here from scratch:
+RadixAttention (a radix tree over cached tokens) and a compressed state machine for structured output
+(JSON, regex, tool calls) with jump-forward decoding.
+
+Set `MINILLM_QUICK=1` for a fast CPU pass (CI does); unset it for the full run.
+"""),
+("code", r"""
+import os, time
+import torch
+from minillm import LLM, SamplingParams
+from minillm.benchmarks.common import machine_info
+QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
+print(machine_info(), "| quick mode" if QUICK else "")
+llm = LLM(model="smollm2", dtype="float32", device="cpu", max_model_len=1024)
+"""),
+("md", r"""
+## 1. A radix tree over token ids, by hand
+
+A prefix cache answers one question at admission: which leading tokens of this prompt already have their K/V
+in the pool? A trie over token ids answers it by walking down from the root. A radix tree is a trie whose
+chains without branches are merged into one node. On paper first, with blocks of 4 tokens: each node keeps
+a run of whole blocks; a match walks one block at a time; a match that ends inside a node splits it.
+"""),
+("code", r"""
+B = 4
+def walk(tree, ids):
+    '''tree: {first block (tuple): [run of tokens, children]} -> cached tokens of ids, whole blocks only'''
+    pos, node = 0, tree
+    while pos + B <= len(ids) - 1:                       # leave one token to run: it yields the logits
+        child = node.get(tuple(ids[pos:pos + B]))
+        if child is None:
+            break
+        run, children = child
+        n = 0
+        while n < len(run) and pos + n + B <= len(ids) - 1 and run[n:n + B] == ids[pos + n:pos + n + B]:
+            n += B
+        pos += n
+        if n < len(run):
+            break
+        node = children
+    return pos
+
+def insert(tree, ids):
+    '''add the whole blocks of ids (split nodes where they diverge)'''
+    pos, node = 0, tree
+    full = len(ids) // B * B
+    while pos < full:
+        key = tuple(ids[pos:pos + B])
+        if key not in node:
+            node[key] = [list(ids[pos:full]), {}]
+            return
+        run, children = node[key]
+        n = 0
+        while n < len(run) and pos + n < full and run[n:n + B] == ids[pos + n:pos + n + B]:
+            n += B
+        if n < len(run):                                 # split: the node keeps the head, a child the tail
+            node[key] = [run[:n], {tuple(run[n:n + B]): [run[n:], children]}]
+            run, children = node[key]
+        pos, node = pos + n, children
+
+system = list(range(100, 109))                           # 9 tokens: two whole blocks and one more
+turn1 = system + [1, 2, 3, 4, 5, 6]
+turn2 = turn1 + [7, 8, 9, 10, 11]
+other = system + [50, 51, 52, 53, 54]
+tree, by_hand = {}, {}
+for name, ids in (("turn 1", turn1), ("turn 2", turn2), ("other chat", other)):
+    by_hand[name] = walk(tree, ids)
+    insert(tree, ids)
+print("cached tokens by hand:", by_hand)
+"""),
+("code", r"""
+from minillm.block_manager import BlockManager
+library = {}
+for kind in ("radix", "hash"):
+    bm = BlockManager(32, B, enable_prefix_caching=True, prefix_cache=kind)
+    hits = {}
+    for name, ids in (("turn 1", turn1), ("turn 2", turn2), ("other chat", other)):
+        hits[name] = bm.allocate(name, ids)
+        bm.mark_computed(name, len(ids))
+        bm.free(name)
+    library[kind] = hits
+print("radix tree (library):", library["radix"])
+print("hash chain (library):", library["hash"])
+print("same hits as by hand:", library["radix"] == by_hand == library["hash"])
+"""),
+("md", r"""
+![The tree after four requests (block manager with prefix_cache="radix"); hash vs radix peak KV blocks, measured](../lessons/figures/radix_tree.png)
+
+Both indexes find the same hits in whole blocks: the 9th system-prompt token sits in a block that also holds
+the turn's first tokens, so every request computes it again. What differs is what each keeps when requests
+that share a prefix run *at the same time*.
+
+## 2. Hash vs radix vs no cache through the engine
+
+`bench prefix` sends waves of concurrent requests through the engine (SmolLM2, greedy) with caching off, the
+hash index and the tree, and counts the prefill tokens computed and the KV blocks held.
+"""),
+("code", r"""
+from minillm.benchmarks import prefix as bp
+from minillm.evaluate import evaluation_text
+tok, text = llm.get_tokenizer(), evaluation_text()
+rows = []
+for workload in ("system_prompt", "branches"):
+    waves = bp.WORKLOADS[workload](tok, text, quick=True)
+    outputs = {}
+    for mode in bp.MODES:
+        run_llm = LLM(model=llm.model, tokenizer=tok, device="cpu", max_model_len=1024, num_kv_blocks=512,
+                      enable_prefix_caching=mode != "none", prefix_cache="radix" if mode == "radix" else "hash")
+        r = bp.run_workload(run_llm, waves, max_tokens=4)
+        outputs[mode] = r.pop("outputs")
+        rows.append({"workload": workload, "mode": mode, **r})
+    print(workload, "identical tokens with none / hash / radix:", outputs["none"] == outputs["hash"] == outputs["radix"])
+for r in rows:
+    print(f'{r["workload"]:>14} {r["mode"]:>5}: prompt {r["prompt_tokens"]:5d}  prefill computed {r["prefill_tokens_computed"]:5d}'
+          f'  hit rate {r["cached_tokens"] / r["prompt_tokens"]:5.1%}  peak blocks {r["peak_blocks_used"]:4d}  TTFT p50 {r["ttft_p50_s"]:.3f} s')
+"""),
+("md", r"""
+## 3. From a regex to a mask over the vocabulary, by hand
+
+The grammar is a DFA over UTF-8 bytes (`minillm/guided/regex.py`); the model emits tokens, each a byte string.
+In a state, a token is allowed iff walking its bytes never reaches the dead state. First by hand, one token at a
+time in plain Python, then the library's vectorised walk (`minillm/guided/token_automaton.py`).
+"""),
+("code", r"""
+from minillm import GuidedDecodingParams
+from minillm.guided import compile_guide, compile_regex
+from minillm.guided.token_automaton import vocabulary_bytes
+tok, V = llm.get_tokenizer(), llm.config.vocab_size
+token_bytes = vocabulary_bytes(tok, V)                       # token id -> its bytes (b"" for special tokens)
+choice = ["yes", "no", "maybe not"]
+dfa = compile_regex("(?:yes|no|maybe not)")
+print("DFA states:", dfa.num_states, "| matches 'maybe not':", dfa.matches("maybe not"), "| 'maybe':", dfa.matches("maybe"))
+
+def allowed_by_hand(state):
+    ok = []
+    for t, data in enumerate(token_bytes):
+        s = state
+        for b in data:
+            s = dfa.transitions[s][b]
+            if s == dfa.dead:
+                break
+        if data and s != dfa.dead:
+            ok.append(t)
+    return ok
+
+by_hand = allowed_by_hand(dfa.start)
+guide = compile_guide(GuidedDecodingParams(choice=choice), tok, V)
+mask = guide.automaton.mask(guide.dfa.start)                  # bool (V,), EOS included where accepting
+library = [t for t in mask.nonzero().flatten().tolist() if t != tok.eos_token_id]
+print(f"allowed at the start: {len(by_hand)} tokens, e.g. {[tok.decode([t]) for t in by_hand[:8]]}")
+print("same allowed tokens as the library:", by_hand == library)
+"""),
+("md", r"""
+## 4. Guided generation with SmolLM2: a JSON schema, validated
+
+Every output must parse and validate against its schema. With `jump_forward=True` the fixed text the schema
+forces (keys, separators) is appended without a model step.
+"""),
+("code", r"""
+import json
+import jsonschema
+schema = {"type": "object", "properties": {
+    "customer_full_name": {"type": "string", "maxLength": 24},
+    "customer_age_in_years": {"type": "integer"},
+    "customer_is_subscribed": {"type": "boolean"}},
+    "required": ["customer_full_name", "customer_age_in_years", "customer_is_subscribed"]}
+prompt = tok.apply_chat_template([{"role": "user", "content": "Describe a customer as JSON."}], add_generation_prompt=True)
+results = {}
+for jump in (False, True):
+    params = SamplingParams(temperature=0, max_tokens=96, guided_decoding=GuidedDecodingParams(json=schema, jump_forward=jump))
+    (req,) = llm.make_requests([prompt], params)
+    t0 = time.perf_counter()
+    llm.engine.run([req])
+    seconds = time.perf_counter() - t0
+    doc = json.loads(req.text)
+    jsonschema.validate(doc, schema)
+    results[jump] = (req.text, len(req.output_token_ids), req.guide.num_forced_tokens, seconds)
+    print(f"jump_forward={jump!s:5}: {req.text}")
+    print(f"   {len(req.output_token_ids)} tokens, {req.guide.num_forced_tokens} appended without sampling, {seconds:.2f} s; valid: True")
+"""),
+("md", r"""
+## What to take away
+
+- At the same block size a hash chain and a radix tree find the same prefix hits; the tree keeps one copy of a
+  prefix that concurrent requests computed side by side, which is memory (and so concurrency) under load.
+- Structured output is a DFA over bytes lifted to tokens: the per-step cost is a cached mask; compiling a new
+  schema is what costs (seconds). Jump-forward turns the text a schema fixes into prefill-like chunks.
+"""),
+]
