@@ -257,17 +257,13 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _event_stream(job: Job, shape: _Shape, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
-    head = job.head(shape.chunk_object)
+async def _sse_stream(job: Job, head: dict, chunks: AsyncIterator[str], include_usage: bool) -> AsyncIterator[str]:
+    """What every stream shares: its chunks, the usage chunk if asked, an engine error as an error event,
+    the request closed whatever happens, and `data: [DONE]` at the end."""
     try:
         try:
-            if shape.chat:                           # OpenAI opens a chat stream with the role
-                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
-            async for delta in job.deltas():
-                if delta.text or delta.finish_reason:    # empty deltas: text held back (partial UTF-8, stop string)
-                    yield _sse({**head, "choices": [shape.chunk_choice(delta.text, delta.finish_reason)]})
+            async for chunk in chunks:
+                yield chunk
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": job.usage()})
         except EngineFailure as e:
@@ -277,7 +273,21 @@ async def _event_stream(job: Job, shape: _Shape, include_usage: bool) -> AsyncIt
     yield "data: [DONE]\n\n"
 
 
-async def _tool_event_stream(job: Job, plan: ToolCallPlan, include_usage: bool) -> AsyncIterator[str]:
+def _event_stream(job: Job, shape: _Shape, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+    head = job.head(shape.chunk_object)
+
+    async def chunks():
+        if shape.chat:                               # OpenAI opens a chat stream with the role
+            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+        async for delta in job.deltas():
+            if delta.text or delta.finish_reason:    # empty deltas: text held back (partial UTF-8, stop string)
+                yield _sse({**head, "choices": [shape.chunk_choice(delta.text, delta.finish_reason)]})
+    return _sse_stream(job, head, chunks(), include_usage)
+
+
+def _tool_event_stream(job: Job, plan: ToolCallPlan, include_usage: bool) -> AsyncIterator[str]:
     """A tool call streamed as OpenAI does: the call's id and name first, then its arguments in
     pieces. With tool_choice "required" the name is only known at the end: one piece then."""
     head = job.head(CHAT.chunk_object)
@@ -289,29 +299,22 @@ async def _tool_event_stream(job: Job, plan: ToolCallPlan, include_usage: bool) 
     def call(**function) -> dict:
         return {"tool_calls": [{"index": 0, **function}]}
 
-    try:
-        try:
-            yield chunk({"role": "assistant", "content": None})
-            text = []
-            if plan.named:
-                name = plan.functions[0]["name"]
-                yield chunk(call(id=f"call_{uuid.uuid4().hex[:24]}", type="function",
-                                 function={"name": name, "arguments": ""}))
-            async for delta in job.deltas():
-                text.append(delta.text)
-                if plan.named and delta.text:
-                    yield chunk(call(function={"arguments": delta.text}))
-            if not plan.named and job.finish_reason == "stop":
-                (whole,) = plan.tool_calls("".join(text))
-                yield chunk(call(**whole))
-            yield chunk({}, "tool_calls" if job.finish_reason == "stop" else job.finish_reason)
-            if include_usage:
-                yield _sse({**head, "choices": [], "usage": job.usage()})
-        except EngineFailure as e:
-            yield _sse(_engine_error(e).body())
-    finally:
-        job.close()
-    yield "data: [DONE]\n\n"
+    async def chunks():
+        yield chunk({"role": "assistant", "content": None})
+        text = []
+        if plan.named:
+            name = plan.functions[0]["name"]
+            yield chunk(call(id=f"call_{uuid.uuid4().hex[:24]}", type="function",
+                             function={"name": name, "arguments": ""}))
+        async for delta in job.deltas():
+            text.append(delta.text)
+            if plan.named and delta.text:
+                yield chunk(call(function={"arguments": delta.text}))
+        if not plan.named and job.finish_reason == "stop":
+            (whole,) = plan.tool_calls("".join(text))
+            yield chunk(call(**whole))
+        yield chunk({}, "tool_calls" if job.finish_reason == "stop" else job.finish_reason)
+    return _sse_stream(job, head, chunks(), include_usage)
 
 
 def _engine_error(e: EngineFailure) -> APIError:
