@@ -57,7 +57,9 @@ def _serve(args) -> None:
               max_num_batched_tokens=args.max_num_batched_tokens,
               enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
               kv_cache_dtype=args.kv_cache_dtype, prefix_cache=args.prefix_cache,
-              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+              speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+              speculative_policy=args.speculative_policy)
     name = args.served_model_name or args.model
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI-compatible)", flush=True)
     limits = {key: getattr(args, key) for key in ("max_waiting", "max_body_bytes", "stall_timeout_s")
@@ -133,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the index of cached blocks with --enable-prefix-caching: hash (vLLM's chained block "
                         "hashes) | radix (SGLang's radix tree)")
     s.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) | int8")
+    s.add_argument("--speculative-method", default=None, choices=("ngram", "draft", "layerskip"),
+                   help="verify draft tokens inside the batch (lesson 08)")
+    s.add_argument("--num-speculative-tokens", type=int, default=5, help="drafts per request and step at most")
+    s.add_argument("--speculative-policy", default="adaptive", choices=("adaptive", "always"),
+                   help="adaptive: only the drafts that pay at the step's batch size")
     s.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or os.environ.get("MINILLM_API_KEY"),
                    help="/v1/* wants 'Authorization: Bearer KEY' (default: $VLLM_API_KEY, as vLLM, "
                         "or $MINILLM_API_KEY; none: open)")

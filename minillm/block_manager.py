@@ -33,6 +33,7 @@ with its num_tokens; preemption by recompute is free() and a later allocate()):
     bm.append_slots(seq_id, token_ids) -> [(src, dst)]      # before each forward: grow to
         # len(token_ids) tokens; a block that is about to be written but is shared with a
         # fork is copied first (copy-on-write): the runner copies the K/V of src into dst
+    bm.truncate(seq_id, num_tokens)     # speculative rollback: drop uncomputed tail tokens, free emptied blocks
     bm.fork(parent_id, child_id)        # the child shares all the parent's blocks (n > 1 sampling)
     bm.free(seq_id)                     # finished or preempted: blocks back to the pool, tail first
     bm.block_table(seq_id) -> [block]
@@ -263,6 +264,20 @@ class BlockManager:
         seq.num_registered = num_full
 
     # --- sharing and release ------------------------------------------------------------
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        """Keep the first num_tokens tokens of a sequence and give back every block past them:
+        speculative decoding appends k draft tokens before a forward and rolls back the ones the
+        target rejected. Their K/V slots are simply forgotten (the next tokens overwrite them);
+        only blocks that the rollback leaves empty return to the pool. Tokens still counted as
+        computed cannot be dropped: the prefix cache may have indexed their blocks."""
+        seq = self._get(seq_id)
+        if not isinstance(num_tokens, int) or not max(1, seq.num_computed) <= num_tokens <= len(seq.token_ids):
+            raise ValueError(f"num_tokens must be an int in [{max(1, seq.num_computed)}, {len(seq.token_ids)}] "
+                             f"for seq_id {seq_id!r} (computed tokens cannot be dropped), got {num_tokens!r}")
+        del seq.token_ids[num_tokens:]
+        while len(seq.blocks) > self._num_blocks_for(num_tokens):
+            self.pool.release(seq.blocks.pop())
+
     def fork(self, parent_id, child_id) -> None:
         """The child starts as a copy of the parent that shares every block (no K/V copied)."""
         if child_id in self._seqs:

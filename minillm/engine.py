@@ -78,7 +78,7 @@ class Engine:
     def __init__(self, llm, block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
-                 kv_cache_dtype: str = "auto", prefix_cache: str = "hash"):
+                 kv_cache_dtype: str = "auto", prefix_cache: str = "hash", speculation=None):
         cfg, dtype = llm.config, llm.model.embed.weight.dtype
         num_kv_blocks = check_engine_args(llm, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
                                           kv_cache_dtype, enable_chunked_prefill)
@@ -96,6 +96,7 @@ class Engine:
         self.decode_group_cost = None if self.runner.use_triton else GROUP_COST_BLOCKS
         self.requests: dict[str, Request] = {}
         self.step_log = StepLog(maxlen=STEP_LOG_LEN)
+        self.speculation = speculation          # a speculative_engine.EngineSpeculation, or None
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -120,6 +121,9 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[tuple[Request, str]]:
         t0 = time.perf_counter()
+        spec = self.speculation
+        if spec is not None:                                               # NEW: speculative, 1. propose
+            spec.propose(self.scheduler.running, self.scheduler.max_num_batched_tokens)
         plan = self.scheduler.schedule()
         if not plan.requests:
             if self.scheduler.has_unfinished():
@@ -132,40 +136,68 @@ class Engine:
         for req, n in zip(plan.requests, plan.num_new_tokens):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             wants_prompt = req.params.prompt_logprobs is not None and req.prompt_logprobs is None
-            want = "all" if wants_prompt else ("last" if end == req.num_tokens else "none")
-            runs.append((req.all_token_ids[start:end], start, bm.block_table(req.request_id),
+            want = "all" if wants_prompt or req.spec_token_ids else ("last" if end == req.num_tokens else "none")
+            runs.append(((req.all_token_ids + req.spec_token_ids)[start:end], start, bm.block_table(req.request_id),
                          bm.slot_mapping(req.request_id, start, end)))
             wants.append(want)
         batch = build_batch(runs, wants, bm.block_size, self.kv.k.device, self.decode_group_cost)
         logits = self.runner.forward(batch)                                # (K, V)
+        num_tokens = plan.num_batched_tokens                               # computed, drafts included
+        decodes = sum(1 for r in plan.requests
+                      if r.num_computed_tokens == r.num_tokens - 1 and r.num_tokens > len(r.prompt_token_ids))
+        spans, row = [], 0                                                 # each request's rows of logits
+        for n, want in zip(plan.num_new_tokens, wants):
+            rows = n if want == "all" else int(want == "last")
+            spans.append((row, row + rows))
+            row += rows
+        events, verified, drafted, accepted = [], {}, 0, 0
+        for i, req in enumerate(plan.requests):
+            if not req.spec_token_ids:
+                continue
+            lo, hi = spans[i]                                              # NEW: speculative, 3. verify
+            start, drafted = req.num_computed_tokens, drafted + len(req.spec_token_ids)
+            tokens, a = spec.verify(req, logits[lo:hi])
+            accepted += a
+            plan.num_new_tokens[i] = 1 + a                                 # 4. roll back the rejected drafts
+            bm.truncate(req.request_id, start + 1 + a)
+            for j in range(a):                                             # the accepted drafts are output now
+                events.append((req, self.llm.append_token(req, logits[lo + j], tokens[j])))
+                if req.finished:                                           # a stop inside the run: the rest is dropped
+                    break
+            verified[id(req)] = (tokens[a], lo + a)                        # the target's own token, and its row
         to_sample = set(map(id, self.scheduler.update(plan)))
         # greedy rows: one argmax over the whole (K, V) block, in fp32 (bf16 argmax is slower on CPU);
         # guided rows must take the argmax of their masked logits: append_token does it
-        any_greedy = any(r.params.greedy and r.guide is None for r in plan.requests if id(r) in to_sample)
+        any_greedy = any(r.params.greedy and r.guide is None for r in plan.requests
+                         if id(r) in to_sample and id(r) not in verified)
         greedy = logits.float().argmax(-1).tolist() if any_greedy else []
-        events, row = [], 0
-        for req, n, want in zip(plan.requests, plan.num_new_tokens, wants):
-            rows = n if want == "all" else int(want == "last")
-            mine, row = logits[row:row + rows], row + rows                 # (rows, V)
-            if want == "all":
-                req.prompt_logits.append(mine)
+        for req, want, (lo, hi) in zip(plan.requests, wants, spans):
+            if want == "all" and id(req) not in verified:
+                req.prompt_logits.append(logits[lo:hi])                    # (T_chunk, V)
                 if req.num_computed_tokens >= len(req.prompt_token_ids):
                     self.llm.set_prompt_logprobs(req, torch.cat(req.prompt_logits))
                     req.prompt_logits = []
-            if id(req) in to_sample:
-                token = greedy[row - 1] if req.params.greedy and req.guide is None else None
-                events.append((req, self.llm.append_token(req, mine[-1], token)))
-                if req.finished:
-                    self.scheduler.finish(req)
-                    del self.requests[req.request_id]
-        decodes = sum(1 for r, n in zip(plan.requests, plan.num_new_tokens)
-                      if n == 1 and r.num_computed_tokens > len(r.prompt_token_ids))
-        self.step_log.append({"time": time.perf_counter(), "seconds": time.perf_counter() - t0,
-                              "num_seqs": len(plan.requests), "num_tokens": plan.num_batched_tokens,
+            if id(req) in to_sample and not req.finished:
+                if id(req) in verified:
+                    token, last = verified[id(req)]
+                else:
+                    last = hi - 1
+                    token = greedy[last] if req.params.greedy and req.guide is None else None
+                events.append((req, self.llm.append_token(req, logits[last], token)))
+            if req.finished and req.request_id in self.requests:
+                self.scheduler.finish(req)
+                del self.requests[req.request_id]
+        seconds = time.perf_counter() - t0
+        if spec is not None:
+            spec.cost.observe(num_tokens, seconds)
+        self.step_log.append({"time": time.perf_counter(), "seconds": seconds,
+                              "num_seqs": len(plan.requests), "num_tokens": num_tokens,
                               "num_decodes": decodes, "num_preempted": len(plan.preempted),
                               "num_running": len(self.scheduler.running),
                               "num_waiting": len(self.scheduler.waiting),
-                              "free_blocks": bm.num_free_blocks})
+                              "free_blocks": bm.num_free_blocks,
+                              "num_verified_requests": len(verified), "num_draft_tokens": drafted,
+                              "num_accepted_tokens": accepted})
         return events
 
     def run(self, requests: list[Request], progress=None) -> None:

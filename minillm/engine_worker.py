@@ -82,6 +82,11 @@ class _Metrics:
                                       registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served by the prefix cache", registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Preemptions", registry=r)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Speculative verifications (one per request "
+                                   "and step with drafts)", registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                            registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", buckets=self.TIME_BUCKETS,
@@ -104,9 +109,6 @@ class EngineWorker:
     _STOP = object()
 
     def __init__(self, llm, max_waiting: int = 256):
-        if llm.speculative_method is not None:
-            raise ValueError("the server runs on the continuous batching engine; "
-                             "speculative_method must be None")
         self.engine = llm.engine                  # built here: it allocates the KV pool
         self.max_waiting = max_waiting
         self.inbox: queue.Queue = queue.Queue()
@@ -220,13 +222,22 @@ class EngineWorker:
             return
         self.metrics.preemptions.inc(self.engine.step_log[-1]["num_preempted"])
         self.metrics.generation_tokens.inc(len(events))          # one new token per event
-        for req, text in events:
-            if len(req.output_token_ids) == 1:
+        log_entry = self.engine.step_log[-1]
+        if log_entry.get("num_draft_tokens"):                     # speculative decoding verified drafts
+            self.metrics.spec_drafts.inc(log_entry["num_verified_requests"])
+            self.metrics.spec_draft_tokens.inc(log_entry["num_draft_tokens"])
+            self.metrics.spec_accepted_tokens.inc(log_entry["num_accepted_tokens"])
+        # with speculative decoding one request may get several tokens (events) in a step: only its
+        # last event carries the finish
+        last = {req.request_id: i for i, (req, _) in enumerate(events)}
+        for i, (req, text) in enumerate(events):
+            if len(req.output_token_ids) == 1:                    # never with drafts: they follow the first
                 self._started(req.request_id)
                 self.metrics.first_token(req)
             sink = self.sinks[req.request_id]
-            sink.push(Delta(text, req.finish_reason, len(req.output_token_ids)))
-            if req.finished:
+            final = last[req.request_id] == i
+            sink.push(Delta(text, req.finish_reason if final else None, len(req.output_token_ids)))
+            if req.finished and final:
                 del self.sinks[req.request_id]
                 self.metrics.finished.labels(req.finish_reason).inc()
                 if req.metrics.time_per_output_token is not None:

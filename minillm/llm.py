@@ -20,6 +20,7 @@ from .fast_decode import forward_fast, fuse_projections, is_fused
 from .kv_cache import KVCache, forward_cached
 from .block_manager import check_prefix_cache
 from .engine import Engine, check_engine_args
+from .speculative_engine import POLICIES as SPECULATIVE_POLICIES, EngineSpeculation
 from .loader import load_model, resolve_device
 from .model import check_attention_backend
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -40,13 +41,17 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
                  kv_cache_dtype: str = "auto", prefix_cache: str = "hash", tokenizer=None,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 speculative_policy: str = "adaptive"):
         """model: "smollm2", a .gguf path or an HF folder; or an already-built minillm Llama
         module together with its `tokenizer` (tests use a tiny random model this way).
         prefix_cache: the index enable_prefix_caching uses, "hash" (vLLM's block hashes) or
         "radix" (SGLang's radix tree); "radix" without enable_prefix_caching is refused.
         tensor_parallel_size / pipeline_parallel_size > 1: the model is split over that many
-        processes (minillm/parallel, lesson 11), started here and stopped by close()."""
+        processes (minillm/parallel, lesson 11), started here and stopped by close().
+        speculative_method with several requests: drafts are verified inside the batching engine;
+        speculative_policy "adaptive" gives each request as many drafts as pay at the step's batch
+        size (minillm/speculative_engine.py), "always" num_speculative_tokens every step."""
         from .model import Llama
         from .quant import METHODS as QUANT_METHODS
 
@@ -59,6 +64,12 @@ class LLM:
         if speculative_method is not None:
             from .speculative import check_args
             check_args(speculative_method, num_speculative_tokens)
+            if speculative_policy not in SPECULATIVE_POLICIES:
+                raise ValueError(f"speculative_policy = {speculative_policy!r} is unknown; allowed: "
+                                 f"{', '.join(map(repr, SPECULATIVE_POLICIES))}")
+        self.speculative_policy = speculative_policy
+        # the batch-1 path's totals (the engine keeps its own: llm.engine.speculation)
+        self.speculative_counts = dict(drafted=0, accepted=0, target_calls=0)
         self.speculative_method = speculative_method
         self.num_speculative_tokens = num_speculative_tokens
         if not isinstance(max_model_len, int) or max_model_len < 2:
@@ -87,9 +98,6 @@ class LLM:
                                 prefix_cache=prefix_cache)
         check_engine_args(self, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, kv_cache_dtype,
                           enable_chunked_prefill)
-        if kv_cache_dtype != "auto" and speculative_method is not None:
-            raise ValueError(f"kv_cache_dtype = {kv_cache_dtype!r} needs the batching engine; speculative decoding "
-                             f"runs on the contiguous cache: use kv_cache_dtype='auto' with speculative_method")
         self._engine = None                  # built on first use: it allocates the KV pool
         if mode is not None:                 # last, so that no check above can fail with workers running
             from .parallel.workers import start
@@ -103,7 +111,11 @@ class LLM:
         """The continuous batching engine (lesson 07) that generate() runs on, over a paged KV cache.
         Built again if the model was swapped (e.g. for a converted or quantised one)."""
         if self._engine is None or self._engine.runner.model is not self.model:
-            self._engine = Engine(self, **self.engine_args)
+            speculation = None
+            if self.speculative_method is not None:
+                speculation = EngineSpeculation(self, self.speculative_method, self.num_speculative_tokens,
+                                                self.speculative_policy)
+            self._engine = Engine(self, **self.engine_args, speculation=speculation)
         return self._engine
 
     def close(self) -> None:
@@ -271,8 +283,13 @@ class LLM:
     def stream_request(self, req: Request) -> Iterator[str]:
         """Run one request to completion, yielding its new visible text after every token."""
         if self.speculative_method is not None:
-            from .speculative import speculative_stream
-            yield from speculative_stream(self, req, self.speculative_method, self.num_speculative_tokens)
+            from .speculative import SpecStats, speculative_stream
+            stats = SpecStats()
+            try:
+                yield from speculative_stream(self, req, self.speculative_method, self.num_speculative_tokens, stats)
+            finally:                                  # counted also when the consumer stops early
+                for name in self.speculative_counts:
+                    self.speculative_counts[name] += getattr(stats, name)
             return
         room = min(self.max_model_len, len(req.prompt_token_ids) + req.params.max_tokens)
         cache = KVCache(self.config, 1, room, self.model.embed.weight.dtype, self.device)
@@ -299,15 +316,14 @@ class LLM:
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion. Requests go through the continuous batching engine
-        together, except (a) with speculative decoding and (b) a lone request that needs nothing
-        the engine adds (prefix caching, an int8 KV cache): those run one at a time on the
-        contiguous cache, the batch-1 fast path of lesson 02 (no paging, gathering or masks)."""
+        together (with speculative decoding too: drafts are verified in the batch), except a lone
+        request that needs nothing the engine adds (prefix caching, an int8 KV cache): it runs on
+        the contiguous cache, the batch-1 fast path of lesson 02 (no paging, gathering or masks),
+        and speculates there (minillm/speculative.py) if speculative_method is set."""
         requests = self.make_requests(prompts, sampling_params)
         from tqdm.auto import tqdm
 
-        contiguous = self.speculative_method is not None or (
-            len(requests) == 1 and self.parallel is None and not self.engine_args["enable_prefix_caching"]
-            and self.engine_args["kv_cache_dtype"] == "auto")
+        contiguous = len(requests) == 1 and self._contiguous_fits()
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
             if not contiguous:
                 self.engine.run(requests, progress=bar)
@@ -318,10 +334,15 @@ class LLM:
                     bar.update(1)
         return [self.to_output(r) for r in requests]
 
+    def _contiguous_fits(self) -> bool:
+        """A request may run on the contiguous batch-1 path: one process, no prefix cache, model-dtype KV."""
+        args = self.engine_args
+        return self.parallel is None and not args["enable_prefix_caching"] and args["kv_cache_dtype"] == "auto"
+
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one request piece by piece as tokens are generated."""
         (req,) = self.make_requests([prompt], sampling_params)
-        if self.speculative_method is not None:
+        if self.speculative_method is not None and self._contiguous_fits():
             deltas = self.stream_request(req)
         else:
             deltas = self._stream_engine(req)

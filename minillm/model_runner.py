@@ -117,12 +117,20 @@ def group_by_length(num_blocks: list[int], cost: int = GROUP_COST_BLOCKS) -> lis
     return [list(range(len(n)))] if len(groups) == 1 else groups[::-1]
 
 
+# Runs of up to this many tokens that continue a cached request (a decode token plus speculative
+# drafts: 1 + speculative.MAX_SPECULATIVE_TOKENS) join the decode groups on CPU instead of running
+# attention one request at a time like a prefill chunk.
+MAX_GROUPED_QUERIES = 17
+
+
 @dataclass
 class DecodeGroup:
-    """Decode rows whose keys are copied and attended together on CPU (padded to the group's longest)."""
-    rows: torch.Tensor             # (Bg,) rows of the batch
+    """Requests whose keys are copied and attended together on CPU (padded to the group's longest):
+    each has Tq query rows or fewer (1 for a plain decode, 1 + k for a speculative verification)."""
+    rows: torch.Tensor             # (Bg, Tq) rows of the batch (padding: repeats a real row)
+    real: torch.Tensor             # (Bg, Tq) True where a query row is real
     tables: torch.Tensor           # (Bg, n) int32 block tables (padding: block 0)
-    mask: torch.Tensor             # (Bg, 1, 1, n * block_size) True where a key is real
+    mask: torch.Tensor             # (Bg, 1, Tq, n * block_size) True where query t may see key j
 
 
 @dataclass
@@ -137,6 +145,7 @@ class PagedBatch:
     decode_lens: torch.Tensor      # (Bd,) int32 keys per decode row, for the GPU kernel
     decode_groups: list            # [DecodeGroup], for the CPU path
     prefills: list                 # [(row_start, T, start, block_table (1, n) int32, mask (T, start+T) or None)]
+    grouped_runs: list             # [(row_start, T, start, block table)] runs of T > 1 inside decode_groups
 
 
 def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_logits: list[str],
@@ -146,6 +155,7 @@ def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_lo
     group_cost None: no decode groups (the GPU kernel handles every length in one launch)."""
     tokens, positions, slots, logits_rows = [], [], [], []
     dec_rows, dec_lens, dec_tables, prefills = [], [], [], []
+    short = []                                       # (row, T, start, table): runs for the CPU groups
     row = 0
     for (new, start, table, new_slots), want in zip(runs, want_logits):
         T = len(new)
@@ -156,28 +166,44 @@ def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_lo
             logits_rows += range(row, row + T)
         elif want == "last":
             logits_rows.append(row + T - 1)
+        table = table[:math.ceil((start + T) / block_size)]
         if T == 1:
             dec_rows.append(row)
             dec_lens.append(start + 1)
-            dec_tables.append(table[:math.ceil((start + 1) / block_size)])
-        else:
+            dec_tables.append(table)
+        if group_cost is not None and (T == 1 or (start > 0 and T <= MAX_GROUPED_QUERIES)):
+            short.append((row, T, start, table))     # NEW: speculative, verified with the decodes
+        elif T > 1:
             mask = causal_mask(T, start + T, device) if start else None        # (T, start+T) or causal
-            blocks = block_table_tensor([table[:math.ceil((start + T) / block_size)]], device)   # (1, n)
-            prefills.append((row, T, start, blocks, mask))
+            prefills.append((row, T, start, block_table_tensor([table], device), mask))   # (1, n) table
         row += T
     groups = []
-    if dec_rows and group_cost is not None:
-        for members in group_by_length([len(t) for t in dec_tables], group_cost):
-            tables = block_table_tensor([dec_tables[i] for i in members])         # (Bg, n)
-            lens = torch.tensor([dec_lens[i] for i in members])                   # (Bg,)
-            mask = torch.arange(tables.shape[1] * block_size)[None, :] < lens[:, None]   # (Bg, n * bs)
-            groups.append(DecodeGroup(torch.tensor([dec_rows[i] for i in members], dtype=torch.long, device=device),
-                                      tables.to(device), mask[:, None, None].to(device)))
+    if short:
+        for members in group_by_length([len(short[i][3]) for i in range(len(short))], group_cost):
+            groups.append(_decode_group([short[i] for i in members], block_size, device))
     as_long = dict(dtype=torch.long, device=device)
     return PagedBatch(torch.tensor(tokens, **as_long), torch.tensor(positions, **as_long),
                       torch.tensor(slots, **as_long), torch.tensor(logits_rows, **as_long),
                       torch.tensor(dec_rows, **as_long), block_table_tensor(dec_tables, device),
-                      torch.tensor(dec_lens, dtype=torch.int32, device=device), groups, prefills)
+                      torch.tensor(dec_lens, dtype=torch.int32, device=device), groups, prefills,
+                      [r for r in short if r[1] > 1])
+
+
+def _decode_group(members: list[tuple[int, int, int, list[int]]], block_size: int, device) -> DecodeGroup:
+    """members: (row, T, start, block table) of each request. Query t of a request sees its keys
+    0..start + t (causal within its own new tokens); padded query rows see key 0 only."""
+    Tq = max(T for _, T, _, _ in members)
+    tables = block_table_tensor([table for _, _, _, table in members])          # (Bg, n)
+    t = torch.arange(Tq)                                                          # (Tq,)
+    lengths = torch.tensor([T for _, T, _, _ in members])                         # (Bg,)
+    starts = torch.tensor([start for _, _, start, _ in members])                  # (Bg,)
+    first = torch.tensor([row for row, _, _, _ in members])                       # (Bg,)
+    real = t[None, :] < lengths[:, None]                                          # (Bg, Tq)
+    rows = first[:, None] + torch.minimum(t[None, :], lengths[:, None] - 1)       # (Bg, Tq)
+    keys = torch.arange(tables.shape[1] * block_size)                             # (n * bs,)
+    visible = starts[:, None] + torch.where(real, t[None, :], 0)                  # (Bg, Tq) last key seen
+    mask = keys[None, None, :] <= visible[:, :, None]                             # (Bg, Tq, n * bs)
+    return DecodeGroup(rows.to(device), real.to(device), tables.to(device), mask[:, None].to(device))
 
 
 class ModelRunner:
@@ -252,7 +278,7 @@ class ModelRunner:
     def _attention(self, layer: int, q, batch: PagedBatch, buffers=None):
         """q (N, Hq, D) -> (N, Hq, D); each row attends to its own request's keys only."""
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]            # (blocks, bs, Hkv, D)
-        only_decodes = not batch.prefills
+        only_decodes = not batch.prefills                                # every row is in decode_groups (CPU)
         out = None if only_decodes else torch.empty_like(q)
         if self.use_triton and batch.decode_rows.numel():
             from kernels.paged_attention import paged_attention_decode
@@ -262,18 +288,19 @@ class ModelRunner:
                 return od
             out[batch.decode_rows] = od
         elif batch.decode_groups:                                         # CPU: copy blocks, then SDPA
-            single = len(batch.decode_groups) == 1
+            in_order = only_decodes and len(batch.decode_groups) == 1 and not batch.grouped_runs
             for g in batch.decode_groups:
-                qd = q if only_decodes and single else q[g.rows]          # (Bg, Hq, D)
+                qd = q[:, None] if in_order else q[g.rows]                # (Bg, Tq, Hq, D)
                 reuse = None if buffers is None else tuple(b[:g.tables.numel()] for b in buffers)
                 keys, values = self.kv.gather(layer, g.tables, reuse)    # (Bg, n * bs, Hkv, D)
-                od = F.scaled_dot_product_attention(qd[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
-                                                    attn_mask=g.mask, enable_gqa=True)[:, :, 0]   # (Bg, Hq, D)
-                if only_decodes and single:                               # rows are 0..N-1 in order
-                    return od
+                od = F.scaled_dot_product_attention(qd.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                                    attn_mask=g.mask, enable_gqa=True)   # (Bg, Hq, Tq, D)
+                od = od.transpose(1, 2)                                   # (Bg, Tq, Hq, D)
+                if in_order:                                              # rows are 0..N-1, one each
+                    return od[:, 0]
                 if out is None:
                     out = torch.empty_like(q)
-                out[g.rows] = od
+                out[g.rows[g.real]] = od[g.real]
         for row, T, start, blocks, mask in batch.prefills:
             qp = q[row:row + T].transpose(0, 1)[None]                     # (1, Hq, T, D)
             keys, values = self.kv.gather(layer, blocks)                  # (1, L_pad, Hkv, D)

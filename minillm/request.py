@@ -7,6 +7,8 @@ step the scheduler lets it catch up with num_tokens by some amount:
     prefill            num_computed 0          -> len(prompt)     (in one step or in chunks)
     prefix-cache hit   num_computed starts at the cached tokens, not 0
     decode             num_computed n - 1      -> n               (one token per step)
+    speculative step   num_computed n - 1      -> n + k           (the pending token + k drafts)
+                       then back to n + a: the a accepted drafts stay, the rejected ones roll back
     preemption         num_computed back to 0  (its blocks were freed; it recomputes)
 
 When num_computed_tokens reaches num_tokens the last forward produced the logits of the last
@@ -52,10 +54,21 @@ class Request:
     num_preemptions: int = 0
     prompt_logits: list = field(default_factory=list)   # (T_chunk, V) pieces, for prompt_logprobs
     guide: object | None = None            # guided decoding: a minillm.guided GuideState (None: free text)
+    # speculative decoding in the engine (minillm/speculative_engine.py)
+    spec_token_ids: list[int] = field(default_factory=list)   # draft tokens to verify in the next step
+    spec_probs: torch.Tensor | None = None # (k, V) the draft's distribution; None: one-hot (n-gram, greedy)
+    drafter: object | None = None          # this request's proposer (a draft model keeps its own cache)
+    num_drafted: int = 0                   # draft tokens verified so far
+    num_accepted: int = 0                  # of which accepted
+    num_rejections: int = 0                # verification steps that ended in a rejection
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
 
     @property
     def num_tokens(self) -> int:

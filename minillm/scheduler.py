@@ -8,7 +8,8 @@ request ends: short requests idle, new ones wait. Continuous batching re-decides
 
     budget = max_num_batched_tokens                  # tokens one forward may process
     1. running requests, oldest first: each catches up by min(num_tokens - num_computed, budget)
-       (1 for a decode, a chunk for an unfinished prefill). If its next tokens need a block
+       (1 for a decode, 1 + k with k speculative draft tokens, a chunk for an unfinished prefill;
+       drafts that do not fit the budget are dropped). If its next tokens need a block
        and none is free, preempt the NEWEST running request (free its blocks; it goes back to
        the front of the waiting queue and later recomputes) until there is room.
     2. waiting requests, first come first served, while budget, max_num_seqs and free blocks
@@ -85,11 +86,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         # BEGIN SOLUTION scheduler
         # HINT: follow the module docstring. budget = max_num_batched_tokens. (1) Running requests,
-        # HINT: oldest first, while budget > 0: n = min(num_tokens - num_computed_tokens, budget); while
-        # HINT: bm.can_append_slots(id, num_tokens) says no, preempt the NEWEST running request (self._preempt,
-        # HINT: record it in out.preempted; stop if it was this request); then out.block_copies +=
-        # HINT: bm.append_slots(id, all_token_ids) and schedule n tokens. (2) Unless this step preempted,
-        # HINT: admit waiting requests in order while budget > 0 and fewer than max_num_seqs run: a
+        # HINT: oldest first, while budget > 0: self._fit_drafts(req, budget), then n =
+        # HINT: min(num_tokens_with_spec - num_computed_tokens, budget); while bm.can_append_slots(id,
+        # HINT: num_tokens_with_spec) says no, preempt the NEWEST running request (self._preempt, record it
+        # HINT: in out.preempted; stop if it was this request); then out.block_copies +=
+        # HINT: bm.append_slots(id, all_token_ids + spec_token_ids) and schedule n tokens. (2) Unless this
+        # HINT: step preempted, admit waiting requests in order while budget > 0 and fewer than max_num_seqs run: a
         # HINT: prefix-cache hit (bm.cached_prefix_tokens, only when params.prompt_logprobs is None) is
         # HINT: already computed; without chunked prefill the rest must fit the budget; stop when
         # HINT: bm.can_allocate says no; bm.allocate gives num_computed_tokens (also num_cached_tokens);
@@ -101,8 +103,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not bm.can_append_slots(req.request_id, req.num_tokens):
+            self._fit_drafts(req, budget)
+            n = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            while not bm.can_append_slots(req.request_id, req.num_tokens_with_spec):
                 victim = self.running[-1]                 # the newest gives its blocks back
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -110,7 +113,7 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:   # it preempted itself: nothing left to free
                 break
-            out.block_copies += bm.append_slots(req.request_id, req.all_token_ids)
+            out.block_copies += bm.append_slots(req.request_id, req.all_token_ids + req.spec_token_ids)
             out.requests.append(req)
             out.num_new_tokens.append(n)
             budget -= n
@@ -149,16 +152,28 @@ class Scheduler:
                 sample.append(req)
         return sample
 
+    @staticmethod
+    def _fit_drafts(req: Request, budget: int) -> None:
+        """Speculative draft tokens ride along with a request's pending token only as far as the
+        step's token budget allows; the rest are dropped (they would be verified later anyway)."""
+        if req.spec_token_ids:
+            fits = max(0, budget - (req.num_tokens - req.num_computed_tokens))
+            del req.spec_token_ids[fits:]
+            if req.spec_probs is not None:
+                req.spec_probs = req.spec_probs[:fits] if req.spec_token_ids else None
+
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: free every block, forget the computed tokens, and put the
         request at the FRONT of the waiting queue so it resumes before anything newer."""
         # BEGIN SOLUTION scheduler
         # HINT: remove it from running, free its blocks, status WAITING, num_computed_tokens 0, forget
-        # HINT: its prompt_logits, count num_preemptions, and put it at the FRONT of waiting (appendleft).
+        # HINT: its speculative drafts (spec_token_ids [], spec_probs None) and its prompt_logits, count
+        # HINT: num_preemptions, and put it at the FRONT of waiting (appendleft).
         self.running.remove(req)
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.spec_token_ids, req.spec_probs = [], None          # drafts are proposed afresh
         req.prompt_logits = []
         req.num_preemptions += 1
         self.waiting.appendleft(req)

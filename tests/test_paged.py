@@ -192,6 +192,20 @@ def test_bad_arguments():
         bm.slot_mapping("a", 0, 6)
     with pytest.raises(ValueError, match="child_id"):
         bm.fork("a", "a")
+    with pytest.raises(ValueError, match="computed tokens cannot be dropped"):
+        bm.truncate("a", 2)                               # 3 are computed
+    with pytest.raises(ValueError, match="num_tokens"):
+        bm.truncate("a", 6)                               # it holds 5
+
+
+def test_truncate_frees_only_the_blocks_a_rollback_empties():
+    bm = BlockManager(6, block_size=4)
+    bm.allocate("a", prompt(5))                           # 2 blocks
+    bm.mark_computed("a", 4)
+    bm.append_slots("a", prompt(5) + [90, 91, 92, 93, 94])   # 5 drafts: 3 blocks
+    assert len(bm.block_table("a")) == 3 and bm.num_free_blocks == 3
+    bm.truncate("a", 7)                                   # 2 accepted: still 2 blocks
+    assert len(bm.block_table("a")) == 2 and bm.num_free_blocks == 4 and bm.num_tokens("a") == 7
 
 
 # --- the property test ------------------------------------------------------------------
@@ -286,6 +300,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for p, slot in zip(range(start, end), self.bm.slot_mapping(seq, start, end)):
             self.shadow[slot] = tuple(tokens[:p + 1])
         self.bm.mark_computed(seq, end)
+
+    @rule(data=st.data(), drafts=st.lists(st.integers(0, 3), min_size=1, max_size=5))
+    def speculate(self, data, drafts):
+        """A verification step: the pending token plus draft tokens are appended and run (their K/V
+        written), then the rejected drafts are rolled back; accepted ones stay computed."""
+        ready = [s for s in sorted(self.tokens) if self.bm.num_computed_tokens(s) == len(self.tokens[s]) - 1]
+        if not ready:
+            return
+        seq = data.draw(st.sampled_from(ready))
+        tokens = self.tokens[seq] + drafts
+        if not self.bm.can_append_slots(seq, len(tokens)):
+            return
+        free_before, blocks_before = self.bm.num_free_blocks, self.bm.block_table(seq)
+        self._copy(self.bm.append_slots(seq, tokens))
+        start = self.bm.num_computed_tokens(seq)
+        for p, slot in zip(range(start, len(tokens)), self.bm.slot_mapping(seq, start, len(tokens))):
+            self.shadow[slot] = tuple(tokens[:p + 1])     # every draft's K/V is written...
+        accepted = data.draw(st.integers(0, len(drafts)))
+        kept = len(self.tokens[seq]) + accepted
+        self.bm.truncate(seq, kept)                       # ...and the rejected ones forgotten
+        self.bm.mark_computed(seq, kept)
+        self.tokens[seq] = tokens[:kept]
+        if accepted == 0 and not any(self.bm.pool.ref_counts[b] > 1 for b in blocks_before):
+            assert self.bm.block_table(seq) == blocks_before and self.bm.num_free_blocks == free_before
 
     @rule(data=st.data())
     def fork(self, data):

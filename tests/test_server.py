@@ -220,3 +220,24 @@ def test_client_giving_up_on_a_non_streaming_request_aborts_it(served):
         httpx.post(f"{served.url}/v1/completions", json=long_request(False), timeout=1.0)
     assert_no_block_leaked(served.url)
     assert engine_stats(served.url)["num_aborted"] == before + 1
+
+
+def test_speculative_server_equals_offline_and_reports_drafts(smollm2_path, offline):
+    """`serve --speculative-method ngram`: drafts verified inside the server's batches, the same text
+    as the plain engine, vLLM's spec_decode counters in /metrics, and no block left behind."""
+    spec = LLM(model=str(smollm2_path), dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN,
+               num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=16, speculative_method="ngram", num_speculative_tokens=4,
+               speculative_policy="always")
+    kwargs = {"max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    with ServerThread(build_app(spec, served_model_name="smollm2")) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(complete, client, p, i % 2 == 0, **kwargs) for i, p in enumerate(COMPLETION_PROMPTS)]
+            results = [f.result(timeout=120) for f in futures]
+        assert [r["text"] for r in results] == [o.outputs[0].text for o in offline.completions]
+        assert all(r["finish_reason"] == "length" for r in results)
+        assert_no_block_leaked(server.url)
+        lines = httpx.get(server.url + "/metrics").text.splitlines()
+        metrics = {line.split()[0]: float(line.split()[1]) for line in lines if line.startswith("vllm:spec_decode")}
+    assert metrics["vllm:spec_decode_num_draft_tokens_total"] == spec.engine.speculation.drafted > 0
+    assert metrics["vllm:spec_decode_num_accepted_tokens_total"] == spec.engine.speculation.accepted > 0

@@ -1,0 +1,174 @@
+"""Speculative decoding inside continuous batching: drafts ride in the engine's own step.
+
+minillm/speculative.py runs one request at a time beside the engine. Servers (vLLM v1, SGLang)
+speculate inside the batch instead, and the engine's one idea carries it: a request's
+num_computed_tokens may catch up by more than one token per step.
+
+    1. propose    before scheduling, every running request that is decoding gets up to k_i draft
+                  tokens (req.spec_token_ids) from its own proposer; the policy below picks k_i
+    2. schedule   its pending token and the drafts run as ONE run of 1 + k_i tokens, in the same
+                  flat forward as the other requests' decodes and prefill chunks (scheduler.py)
+    3. verify     the 1 + k_i rows of logits decide how many drafts the target accepts: greedy
+                  verification or the rejection sampler (speculative.py), so the output is
+                  exactly the target's; the a accepted drafts and one token of the target's own
+                  are appended: 1 + a tokens for one row of the batch
+    4. roll back  num_computed_tokens goes to n + a; BlockManager.truncate forgets the rejected
+                  drafts' slots and returns every block the rollback left empty
+
+When does it pay? A step over N tokens costs t(N). Decode at small N is bound by reading the
+weights, so t grows slowly with N and drafts are almost free; at large N the step is bound by
+compute, t grows ~linearly, and every rejected draft is paid for in full. The policy fits
+t(N) = a + b N to the engine's own recent steps (StepCostModel) and adds drafts one at a time,
+best first, while they raise the step's expected throughput E / t:
+
+    the j-th draft of request i is accepted with probability alpha_i^j (all before it must be);
+    it adds alpha_i^j tokens and b (+ the draft's own cost c) seconds, so it pays when
+        alpha_i^j / (b + c)  >  E / t        (marginal yield beats the step's average)
+
+At batch 1 E / t is ~1 / a and b << a: almost any draft pays. At batch 64 E / t is ~64 / (a + 64 b)
+and only drafts with alpha^j above ~ b / (a / 64 + b) pass: speculation fades out where the step turns
+compute-bound. vLLM v0 had a fixed threshold instead (speculative_disable_by_batch_size).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from .speculative import METHODS, ModelDraft, NgramDraft, check_args, make_draft, verify
+
+POLICIES = ("adaptive", "always")
+PRIOR_TRIALS = 2.0          # pseudo-observations behind a request's acceptance estimate
+COST_WINDOW = 64            # recent steps the cost model is fitted to
+
+
+class StepCostModel:
+    """t(N) = a + b N seconds for a step over N tokens: least squares over the last COST_WINDOW
+    steps. None until the steps seen span at least two token counts (then the policy explores)."""
+
+    def __init__(self, window: int = COST_WINDOW):
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        self.samples.append((num_tokens, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b), both >= 0, or None while the token counts seen do not vary."""
+        if len(self.samples) < 4:
+            return None
+        n = torch.tensor([s[0] for s in self.samples], dtype=torch.float64)       # (W,)
+        t = torch.tensor([s[1] for s in self.samples], dtype=torch.float64)       # (W,)
+        spread = float(((n - n.mean()) ** 2).sum())
+        if spread < 1.0 or float(n.max() - n.min()) < 2:
+            return None
+        b = max(0.0, float(((n - n.mean()) * (t - t.mean())).sum()) / spread)
+        a = max(0.0, float(t.mean()) - b * float(n.mean()))
+        return a, b
+
+
+def plan_draft_lengths(alphas: list[float], max_ks: list[int], base_tokens: int, base_yield: float,
+                       cost: tuple[float, float] | None, draft_seconds_per_token: float = 0.0) -> list[int]:
+    """How many drafts each decoding request should carry this step.
+
+    alphas[i]: request i's estimated acceptance probability; max_ks[i]: the most it may carry;
+    base_tokens: tokens the step runs without drafts; base_yield: tokens it yields without them
+    (one per decoding request); cost: (a, b) of t(N) = a + b N, or None (unknown: take max_ks).
+    Greedy: the candidate drafts sorted by gain alpha_i^j, each taken while
+    gain / (b + c) > E / t (see the module docstring); the gains of one request fall with j,
+    so its drafts are taken in order."""
+    if cost is None:
+        return list(max_ks)
+    a, b = cost
+    per_draft = b + draft_seconds_per_token
+    candidates = sorted(((alpha ** j, i) for i, (alpha, k) in enumerate(zip(alphas, max_ks))
+                         for j in range(1, k + 1)), reverse=True)
+    ks = [0] * len(alphas)
+    expected, seconds = float(base_yield), a + b * base_tokens
+    for gain, i in candidates:
+        if per_draft > 0 and gain * seconds <= per_draft * expected:
+            break                                   # the best remaining draft no longer pays
+        ks[i] += 1
+        expected, seconds = expected + gain, seconds + per_draft
+    return ks
+
+
+class EngineSpeculation:
+    """The engine's speculative decoding: proposers, the policy, verification, statistics."""
+
+    def __init__(self, llm, method: str, k: int, policy: str = "adaptive"):
+        check_args(method, k)
+        if policy not in POLICIES:
+            raise ValueError(f"speculative_policy = {policy!r} is unknown; allowed: {', '.join(map(repr, POLICIES))}")
+        self.llm, self.method, self.k, self.policy = llm, method, k, policy
+        self.cost = StepCostModel()
+        self.ngram = NgramDraft() if method == "ngram" else None
+        self.drafted = self.accepted = self.rejections = self.verify_runs = 0
+        self.draft_seconds = 0.0
+
+    # --- 1. propose --------------------------------------------------------------------------
+    def propose(self, running: list, max_num_batched_tokens: int) -> None:
+        """Give each decoding request (not guided; its pending token is its only uncomputed one)
+        its drafts for the next step, as many as the policy allows."""
+        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1 and r.guide is None]
+        for r in running:
+            r.spec_token_ids, r.spec_probs = [], None
+        if not decoding:
+            return
+        room = [self._room(r) for r in decoding]
+        base_tokens = min(max_num_batched_tokens, sum(r.num_tokens - r.num_computed_tokens for r in running))
+        ks = room
+        if self.policy == "adaptive":
+            spent = self.draft_seconds / self.drafted if self.drafted and self.method != "ngram" else 0.0
+            ks = plan_draft_lengths([self.alpha(r) for r in decoding], room, base_tokens, len(decoding),
+                                    self.cost.fit(), spent)
+        t0 = time.perf_counter()
+        for r, k in zip(decoding, ks):
+            if k > 0:
+                tokens, q = self._drafter(r).propose(r.all_token_ids, k, r.params, r.generator)
+                r.spec_token_ids, r.spec_probs = list(tokens), q
+        self.draft_seconds += time.perf_counter() - t0
+
+    def _room(self, r) -> int:
+        """Drafts that can still become output: one token of the target's own always follows them."""
+        left = min(r.params.max_tokens - len(r.output_token_ids), self.llm.max_model_len - r.num_tokens)
+        return max(0, min(self.k, left - 1))
+
+    def _drafter(self, r):
+        if self.ngram is not None:
+            return self.ngram
+        if r.drafter is None:
+            r.drafter = make_draft(self.llm.model, self.method)
+            room = min(self.llm.max_model_len, len(r.prompt_token_ids) + r.params.max_tokens) + self.k + 1
+            r.drafter.reset(room)
+        return r.drafter
+
+    def alpha(self, r) -> float:
+        """Acceptance probability of one draft: this request's record, pulled toward the engine's."""
+        overall = (self.accepted + 1.0) / (self.accepted + self.rejections + 2.0)
+        return (r.num_accepted + PRIOR_TRIALS * overall) / (r.num_accepted + r.num_rejections + PRIOR_TRIALS)
+
+    # --- 3. verify, 4. roll back -------------------------------------------------------------
+    def verify(self, r, logits: torch.Tensor) -> tuple[list[int], int]:
+        """logits (1 + k, V) of the pending token and the k drafts -> the 1 + a tokens to append
+        and a, the drafts accepted. Updates the statistics and the proposer's own cache."""
+        drafts = r.spec_token_ids
+        tokens, accepted = verify(drafts, r.spec_probs, logits, r.params, r.generator)
+        r.num_drafted += len(drafts)
+        r.num_accepted += accepted
+        r.num_rejections += int(accepted < len(drafts))
+        self.drafted += len(drafts)
+        self.accepted += accepted
+        self.rejections += int(accepted < len(drafts))
+        self.verify_runs += 1
+        if isinstance(r.drafter, ModelDraft):
+            r.drafter.rollback(r.num_tokens + accepted)   # the context plus the accepted drafts
+        r.spec_token_ids, r.spec_probs = [], None
+        return tokens[:accepted + 1], accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+__all__ = ["EngineSpeculation", "StepCostModel", "plan_draft_lengths", "POLICIES", "METHODS"]
