@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefix-cache", default="hash", choices=("hash", "radix"),
                    help="the index of cached blocks with --enable-prefix-caching: hash (vLLM's chained block "
                         "hashes) | radix (SGLang's radix tree)")
-    s.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) | int8")
+    s.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) | int8 | fp8")
     s.add_argument("--speculative-method", default=None, choices=("ngram", "draft", "layerskip"),
                    help="verify draft tokens inside the batch (lesson 08)")
     s.add_argument("--num-speculative-tokens", type=int, default=5, help="drafts per request and step at most")

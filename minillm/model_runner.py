@@ -34,7 +34,7 @@ from .paged_attention import block_table_tensor, copy_blocks, gather_kv, store_k
 from .positions import RopeTable, apply_rope_complex, causal_mask
 
 
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 class PagedKVCache:
@@ -42,8 +42,9 @@ class PagedKVCache:
 
     kv_dtype "auto" stores K/V in the model's dtype; "int8" stores int8 values plus one fp16
     scale per (token, KV head) (minillm/quant/kv_int8.py, lesson 04): k_scale, v_scale
-    (L, num_blocks, block_size, Hkv, 1). Values are quantised once, when written, and
-    dequantised when a request's keys are gathered for attention.
+    (L, num_blocks, block_size, Hkv, 1); "fp8" the same with e4m3 values, kept as their uint8 bits
+    (minillm/quant/kv_fp8.py). Values are quantised once, when written, and dequantised when a
+    request's keys are gathered for attention.
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
@@ -51,8 +52,8 @@ class PagedKVCache:
         if kv_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype = {kv_dtype!r} is not supported; allowed: {', '.join(map(repr, KV_CACHE_DTYPES))}")
         shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.quantized = kv_dtype == "int8"
-        store = torch.int8 if self.quantized else dtype
+        self.quantized = kv_dtype in ("int8", "fp8")
+        store = {"int8": torch.int8, "fp8": torch.uint8}.get(kv_dtype, dtype)   # fp8: e4m3 bits
         self.k = torch.zeros(shape, dtype=store, device=device)
         self.v = torch.zeros(shape, dtype=store, device=device)
         self.k_scale = self.v_scale = None
@@ -64,8 +65,11 @@ class PagedKVCache:
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
-        """K and V of one block, all layers: int8 is D bytes + a 2-byte scale per token and head."""
-        per_head = cfg.head_dim + 2 if kv_dtype == "int8" else cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+        """K and V of one block, all layers: int8 and fp8 are D bytes + a 2-byte scale per token and head."""
+        if kv_dtype in ("int8", "fp8"):
+            per_head = cfg.head_dim + 2
+        else:
+            per_head = cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
         return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * per_head
 
     @property
@@ -79,7 +83,7 @@ class PagedKVCache:
         copy_blocks(caches, copies, block_dim=1)                        # (L, num_blocks, ...) each
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """k, v (N, Hkv, D) into their slots (N,), all real: a row scatter (quantised first for int8)."""
+        """k, v (N, Hkv, D) into their slots (N,), all real: a row scatter (quantised first for int8/fp8)."""
         store_kv_reference(k, v, self.k[layer], self.v[layer], slot_mapping, *self._scales(layer),
                            skip_padding=False)
 
@@ -89,7 +93,7 @@ class PagedKVCache:
         return gather_kv(self.k[layer], self.v[layer], block_tables, *self._scales(layer), self.dtype, out)
 
     def _scales(self, layer: int) -> tuple:
-        """One layer's (k_scale, v_scale) of an int8 cache, (None, None) otherwise."""
+        """One layer's (k_scale, v_scale) of an int8 or fp8 cache, (None, None) otherwise."""
         return (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
 
 
@@ -212,7 +216,7 @@ class ModelRunner:
     def __init__(self, model: Llama, kv: PagedKVCache, rope: RopeTable):
         self.model, self.kv, self.rope = model, kv, rope
         self.fused = is_fused(model)            # fused QKV / gate-up (not for quantised models)
-        # the Triton kernels read the model's dtype from the blocks; an int8 cache takes the gather path
+        # the Triton kernels read the model's dtype from the blocks; an int8/fp8 cache takes the gather path
         self.use_triton = kv.k.device.type == "cuda" and not kv.quantized
         self._buffers = [torch.empty(0, dtype=kv.k.dtype, device=kv.k.device) for _ in range(2)]
 

@@ -20,7 +20,7 @@ twins are the store and the two references here.
 An int8 KV cache (lesson 04, minillm/quant/kv_int8.py) keeps int8 values plus one fp16 scale per
 (token, KV head) in k_scale, v_scale (num_blocks, block_size, Hkv, 1): the store quantises each
 token once, when it is written, the gather dequantises, and block copies move the scales with
-the values.
+the values. An fp8 cache (minillm/quant/kv_fp8.py) is the same with e4m3 values held as uint8 bits.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 
 from .kernel_args import check_paged_attention_args
+from .quant.kv_fp8 import dequantize_kv_fp8, quantize_kv_fp8
 from .quant.kv_int8 import dequantize_kv, quantize_kv
 
 
@@ -57,7 +58,7 @@ def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
 
     Slot -1 marks padding and is skipped (the Triton store's contract); skip_padding=False says
     that every slot is real (the block manager's) and saves the masking. With k_scale, v_scale
-    the caches are int8 and each row is quantised here.
+    the caches are int8 (or fp8 bits in uint8: quant/kv_fp8.py) and each row is quantised here.
     """
     if skip_padding:
         keep = slot_mapping >= 0                                         # (T,)
@@ -67,8 +68,9 @@ def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
         rows = cache.view(-1, *cache.shape[2:])                          # (num_blocks * block_size, Hkv, D)
         if scales is None:
             rows.index_copy_(0, slots, x.to(cache.dtype))
-        else:
-            q, scale = quantize_kv(x[None])                              # (1, T', Hkv, D) int8, (1, T', Hkv, 1)
+        else:                                                            # int8, or fp8 bits in uint8
+            quantize = quantize_kv_fp8 if cache.dtype == torch.uint8 else quantize_kv
+            q, scale = quantize(x[None])                                 # (1, T', Hkv, D), (1, T', Hkv, 1)
             rows.index_copy_(0, slots, q[0])
             scales.view(-1, *scales.shape[2:]).index_copy_(0, slots, scale[0])
 
@@ -103,12 +105,13 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.
               dtype: torch.dtype = torch.float32, out: tuple | None = None):
     """K, V of (B, n) block tables, each (B, n * block_size, Hkv, D), whole blocks at a time
     (gather_blocks: positions past a sequence's length hold stale data, mask them). An int8 cache
-    (k_scale, v_scale) comes back dequantised to dtype. out: two buffers for gather_blocks."""
+    (k_scale, v_scale) comes back dequantised to dtype (an fp8 one too: uint8 bits). out: two buffers for gather_blocks."""
     result = []
     for j, (cache, scales) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
         x = gather_blocks(cache, block_tables, None if out is None else out[j])   # (B, n * bs, Hkv, D)
         if scales is not None:
-            x = dequantize_kv(x, gather_blocks(scales, block_tables), dtype)
+            dequantize = dequantize_kv_fp8 if cache.dtype == torch.uint8 else dequantize_kv
+            x = dequantize(x, gather_blocks(scales, block_tables), dtype)
         result.append(x)
     return result[0], result[1]
 

@@ -433,19 +433,24 @@ def test_store_copy_and_gather():
     assert torch.equal(k_seq[0], k[2]) and torch.equal(k_seq[3], k[0]) and torch.equal(v_seq[3], -k[0])
 
 
-def test_int8_store_copy_and_gather():
-    """An int8 cache: the store quantises each row once, block copies carry the scales, the
-    gather dequantises; all layers' caches at once copy along block_dim=1."""
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_int8_store_copy_and_gather(fmt):
+    """An int8 (or fp8: e4m3 bits in uint8) cache: the store quantises each row once, block copies
+    carry the scales, the gather dequantises; all layers' caches at once copy along block_dim=1."""
+    from minillm.quant.kv_fp8 import dequantize_kv_fp8, quantize_kv_fp8
+
+    quantize, dequantize = (quantize_kv, dequantize_kv) if fmt == "int8" else (quantize_kv_fp8, dequantize_kv_fp8)
     gen = torch.Generator().manual_seed(0)
     L, nb, bs, Hkv, D = 2, 4, 2, 2, 8
-    k_cache, v_cache = (torch.zeros(L, nb, bs, Hkv, D, dtype=torch.int8) for _ in range(2))
+    store = torch.int8 if fmt == "int8" else torch.uint8
+    k_cache, v_cache = (torch.zeros(L, nb, bs, Hkv, D, dtype=store) for _ in range(2))
     k_scale, v_scale = (torch.zeros(L, nb, bs, Hkv, 1, dtype=torch.float16) for _ in range(2))
     k, v = torch.randn(3, Hkv, D, generator=gen), torch.randn(3, Hkv, D, generator=gen)   # (T, Hkv, D)
     store_kv_reference(k, v, k_cache[1], v_cache[1], torch.tensor([2, 3, 4]), k_scale[1], v_scale[1],
                        skip_padding=False)
     copy_blocks([k_cache, v_cache, k_scale, v_scale], [(1, 3)], block_dim=1)   # slots 2, 3 -> 6, 7
     keys, values = gather_kv(k_cache[1], v_cache[1], torch.tensor([[3, 2]]), k_scale[1], v_scale[1])
-    expected_k, expected_v = (dequantize_kv(*quantize_kv(x[None]))[0] for x in (k, v))  # (T, Hkv, D)
+    expected_k, expected_v = (dequantize(*quantize(x[None]))[0] for x in (k, v))  # (T, Hkv, D)
     assert torch.equal(keys[0, :3], expected_k) and torch.equal(values[0, :3], expected_v)
     assert not k_cache[0].any()                                           # layer 0 untouched
 

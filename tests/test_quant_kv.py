@@ -69,3 +69,27 @@ def test_zero_vectors_and_bad_shapes():
     assert torch.equal(dequantize_kv(q8, scale), x)
     with pytest.raises(ValueError, match="B, Hkv, T, D"):
         quantize_kv(torch.ones(3, 8))
+
+
+# ---- fp8 (e4m3) ------------------------------------------------------------------------------
+
+def test_fp8_error_is_relative_where_int8_is_absolute():
+    """One large entry per row: int8's even steps (max/254) swallow the small entries, e4m3 keeps
+    each within 2^-4 of itself (3 mantissa bits, round to nearest) while it is a normal number."""
+    from minillm.quant.kv_fp8 import E4M3_MAX, dequantize_kv_fp8, quantize_kv_fp8
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 16, 64, generator=gen) * 0.05                    # small entries
+    x[..., 0] = 8.0                                                         # and one outlier per row
+    bits, scale = quantize_kv_fp8(x)
+    assert bits.dtype == torch.uint8 and scale.dtype == torch.float16 and scale.shape == (2, 3, 16, 1)
+    x8 = dequantize_kv_fp8(bits, scale)
+    normal = x.abs() >= scale.float() * 2.0 ** -6                           # e4m3's smallest normal, scaled
+    rel = ((x8 - x).abs() / x.abs())[normal]
+    assert rel.max() <= 2.0 ** -4 + 1e-3                                    # + the fp16 scale's rounding
+    assert x8.abs().amax() <= E4M3_MAX * scale.float().amax() * (1 + 1e-3)
+    q, s = quantize_kv(x)
+    small = x.abs() < 0.1
+    err_int8 = (dequantize_kv(q, s) - x).abs()[small].mean()
+    err_fp8 = (x8 - x).abs()[small].mean()
+    assert err_fp8 < err_int8 / 4                                           # the point of a float format
