@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from minillm.model import random_model, tiny_config
 from minillm.quant import (METHODS, load_quantized, quantize_linear, quantize_model, save_quantized,
                            weight_bytes)
-from minillm.quant import int4, int8, nf4
+from minillm.quant import cpu_kernels, int4, int8, nf4
 from minillm.quant.linear import QuantLinear
 
 
@@ -161,7 +161,8 @@ def test_quant_linear_computes_x_times_dequantised_weight(method, kw, dtype):
     q = quantize_linear(lin, method, **kw)
     x = torch.randn(3, 5, 192, generator=torch.Generator().manual_seed(1)).to(dtype)
     expected = F.linear(x, q.dequantize().to(dtype), lin.bias.to(dtype))
-    assert q(x).dtype == dtype and torch.equal(q(x), expected)
+    with cpu_kernels.reference_path():      # the definition; the CPU kernels: tests/test_quant_fast.py
+        assert q(x).dtype == dtype and torch.equal(q(x), expected)
     rel = (q.dequantize() - lin.weight).norm() / lin.weight.norm()
     assert rel < {"int8": 0.01, "int4": 0.2, "nf4": 0.12}[method]
 
@@ -209,15 +210,17 @@ def test_quantize_model_equals_the_dequantised_float_model_and_save_load_roundtr
             original = dequantised.get_submodule(name).weight
             assert ((layer.dequantize() - original).abs() <= format_error_bound(layer, original)).all(), name
             original.copy_(layer.dequantize())
-    out = model(ids)
-    # Tolerance 0: off CUDA, QuantLinear.forward is F.linear(x, dequantize(W)) in x's dtype, the very
-    # operation the float reference runs on the same weights, so every logit is bit-identical. (On a
-    # GPU the fused W4A16 kernel sums in another order: tests/test_quant_w4a16.py bounds that.)
-    assert torch.equal(out, dequantised(ids))
-    path = save_quantized(model, tmp_path / "q.safetensors")
-    again = load_quantized(tiny_config(), path)                        # from the config alone
-    assert torch.equal(again(ids), out)
-    assert torch.equal(load_quantized(None, path)(ids), out)           # config read from the file
+    # Tolerance 0: on the reference path QuantLinear.forward is F.linear(x, dequantize(W)) in x's dtype,
+    # the very operation the float reference runs on the same weights, so every logit is bit-identical.
+    # (The CPU kernels and the GPU's fused W4A16 kernel sum in another order: tests/test_quant_fast.py
+    # and tests/test_quant_w4a16.py bound those.)
+    with cpu_kernels.reference_path():
+        out = model(ids)
+        assert torch.equal(out, dequantised(ids))
+        path = save_quantized(model, tmp_path / "q.safetensors")
+        again = load_quantized(tiny_config(), path)                    # from the config alone
+        assert torch.equal(again(ids), out)
+        assert torch.equal(load_quantized(None, path)(ids), out)       # config read from the file
 
 
 def test_weight_bytes_counts_scales():

@@ -10,12 +10,17 @@ linear layers in the 30 blocks; the tied embedding / LM head stays fp32 in every
 
 Perplexity: evaluation_text() (never used for calibration) in 512-token windows, through
 LLM.generate's prompt_logprobs. GPTQ / AWQ calibrate on windows of calibration_text().
-Decode tokens/s: LLM.generate on one short prompt, greedy, whatever runner LLM has; on CPU the
-QuantLinear dequantises its weight on every call (no fused CPU kernel), which costs time.
+Decode tokens/s: LLM.generate on one short prompt, greedy, whatever runner LLM has. On a CPU a
+QuantLinear multiplies by its packed int8 / int4 weight with torch's kernels (minillm/quant/
+cpu_kernels.py; vectorised for bf16 activations, scalar loops for fp32); decode_tok_s_reference is
+the same row on the reference path (dequantise W on every call, then F.linear), timed alternating
+with it. Rows ending in -bf16 quantise the bf16 model and run bf16 activations.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import statistics
 import time
 
 import torch
@@ -39,10 +44,13 @@ SPECS = {
     "int3-g128": ("int4", {"bits": 3, "group_size": 128}),
     "gptq-3bit-g128": ("gptq", {"bits": 3, "group_size": 128}),
     "awq-3bit-g128": ("awq", {"bits": 3, "group_size": 128}),
+    "int8-bf16": ("int8", {}),
+    "int4-g128-bf16": ("int4", {"group_size": 128}),
 }
-QUICK_KEYS = ("fp32", "int8", "int4-g128", "nf4", "gptq-4bit-g128", "awq-4bit-g128")
+BF16_KEYS = ("bf16", "int8-bf16", "int4-g128-bf16")     # the bf16 model: weights and activations
+QUICK_KEYS = ("fp32", "int8", "int4-g128", "nf4", "gptq-4bit-g128", "awq-4bit-g128", "int4-g128-bf16")
 FULL_ORDER = ("fp32", "int8", "int4-g128", "nf4", "gptq-4bit-g128", "awq-4bit-g128", "int3-g128", "gptq-3bit-g128",
-              "awq-3bit-g128", "int4-g128-sym", "nf4-dq", "bf16", "int4-g32")
+              "awq-3bit-g128", "int4-g128-sym", "nf4-dq", "bf16", "int4-g32", "int8-bf16", "int4-g128-bf16")
 
 
 def settings(quick: bool) -> dict:
@@ -54,13 +62,13 @@ def settings(quick: bool) -> dict:
 
 
 def build(base, key: str, calibration_ids) -> tuple[torch.nn.Module, float]:
-    """A quantised copy of the fp32 base model, and the seconds quantisation took."""
+    """A (quantised) copy of the fp32 base model, bf16 for BF16_KEYS, and the seconds quantisation took."""
     from ..quant import drop_fused_projections, quantize_model
 
     model = copy.deepcopy(base)
     drop_fused_projections(model)          # every row runs LLM's cached forward (not the fused fast path)
-    if key == "bf16":
-        return model.to(torch.bfloat16), 0.0
+    if key in BF16_KEYS:
+        model.to(torch.bfloat16)
     spec = SPECS[key]
     if spec is None:
         return model, 0.0
@@ -75,6 +83,7 @@ def build(base, key: str, calibration_ids) -> tuple[torch.nn.Module, float]:
 def measure(llm, model, cfg: dict) -> dict:
     from ..evaluate import perplexity
     from ..quant import weight_bytes
+    from ..quant.linear import QuantLinear
     from ..sampling import SamplingParams
 
     llm.model = model
@@ -82,11 +91,32 @@ def measure(llm, model, cfg: dict) -> dict:
     sizes = weight_bytes(model)
     prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "What is a quantised model?"}])
     params = SamplingParams(temperature=0, max_tokens=cfg["decode_tokens"], ignore_eos=True)
-    seconds = common.time_median(lambda: llm.generate([prompt], params, use_tqdm=False),
-                                 repeats=cfg["decode_repeats"], warmup=1)
+    has_kernels = any(isinstance(m, QuantLinear) and m.cpu_unsupported is None for m in model.modules())
+    seconds = decode_seconds(lambda: llm.generate([prompt], params, use_tqdm=False), cfg["decode_repeats"],
+                             reference=has_kernels)
     return {"ppl": ppl, "linear_MB": sizes["linear_bytes"] / 1e6, "bits_per_param": sizes["bits_per_param"],
             "vs_fp16": sizes["bits_per_param"] / 16, "model_MB": sizes["model_bytes"] / 1e6,
-            "decode_tok_s": cfg["decode_tokens"] / seconds}
+            **{key: cfg["decode_tokens"] / s for key, s in seconds.items()}}
+
+
+def decode_seconds(generate, repeats: int, reference: bool) -> dict:
+    """Median seconds of generate() on the default path ("decode_tok_s": the CPU kernels where they
+    apply) and, if reference, on the reference path too ("decode_tok_s_reference"), the two paths
+    alternating run by run so that a drift in machine load hits both."""
+    from ..quant.cpu_kernels import reference_path
+
+    paths = {"decode_tok_s": contextlib.nullcontext}
+    if reference:
+        paths["decode_tok_s_reference"] = reference_path
+    times = {key: [] for key in paths}
+    for run in range(repeats + 1):                        # run 0: warm-up
+        for key, path in paths.items():
+            with path():
+                t0 = time.perf_counter()
+                generate()
+                if run:
+                    times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -140,10 +170,11 @@ def _config(cfg: dict, quick: bool) -> dict:
             "eval": f"evaluation_text(), {cfg['eval_windows']} windows of {cfg['window']} tokens",
             "calibration": f"calibration_text(), {cfg['calib_windows']} windows of {cfg['calib_window']} tokens",
             "decode": f"LLM.generate (cached forward, fused fast path off for every row), 1 prompt, "
-                      f"{cfg['decode_tokens']} greedy tokens, median of {cfg['decode_repeats']} after 1 warm-up",
+                      f"{cfg['decode_tokens']} greedy tokens, median of {cfg['decode_repeats']} after 1 warm-up; "
+                      f"rows with CPU kernels also on the reference path, alternating",
             "gptq": "asymmetric, act-order, blocksize 128, damp 0.01, true-sequential",
             "awq": "asymmetric, alpha grid 0..0.95 step 0.05, clip search 10 steps; v->o pair skipped (GQA)",
-            "quantized": "linear layers of the 30 blocks; tied embedding / LM head kept fp32",
+            "quantized": "linear layers of the 30 blocks; tied embedding / LM head kept fp32 (bf16 in -bf16 rows)",
             "quick": quick, **{k: v for k, v in cfg.items() if k != "keys"}}
 
 

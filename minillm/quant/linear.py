@@ -2,10 +2,12 @@
 
     y = x @ dequantize(W)^T + b       computed in the activation dtype (W8A16 / W4A16)
 
-The weight never exists in full precision between calls: forward unpacks it, multiplies and
-drops it. On a GPU a fused kernel (kernels/w4a16.py) does the unpacking inside the matmul tile
-loop, so only the packed bytes cross the memory bus; that is where 4-bit decode gets its speed.
-On a CPU without such a kernel the unpacking is extra work and quantised decode is *slower*.
+The weight never exists in full precision between calls. On a GPU a fused kernel
+(kernels/w4a16.py) does the unpacking inside the matmul tile loop, so only the packed bytes cross
+the memory bus; that is where 4-bit decode gets its speed. On a CPU, torch's packed-weight kernels
+do the same for int8 and int (minillm/quant/cpu_kernels.py; cpu_unsupported says why a layer
+cannot). forward_reference is the from-scratch definition every fast path is tested against:
+unpack W to float, multiply, drop it; on a CPU that is extra work per call, slower than float.
 
 Formats ("fmt") and their stored tensors:
     "int8"  q int8 (out, in), scale fp16 (out, 1)                          minillm/quant/int8.py
@@ -19,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import int4, int8, nf4
+from . import cpu_kernels, int4, int8, nf4
 from .w4a16 import supports, w4a16_linear
 
 DEQUANTIZE = {"int8": int8.dequantize, "int": int4.dequantize, "nf4": nf4.dequantize}
@@ -37,6 +39,8 @@ class QuantLinear(nn.Module):
         for name, t in tensors.items():
             self.register_buffer(name, t.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.cpu_unsupported = cpu_kernels.unsupported(self)   # None: a CPU kernel handles this layer
+        self._cpu_packs = {}                                   # activation dtype -> cpu_kernels.Packed
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str, tensors: dict, params: dict | None = None) -> "QuantLinear":
@@ -52,6 +56,12 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:    # (..., in) -> (..., out)
         if x.is_cuda and _fused_available(self):
             return w4a16_linear(x, self)
+        if cpu_kernels.applies(self, x):
+            return cpu_kernels.packed_linear(x, self)
+        return self.forward_reference(x)
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:    # (..., in) -> (..., out)
+        """The definition: F.linear(x, dequantize(W)) in x's dtype."""
         w = self.dequantize().to(x.dtype)                    # (out, in): exists only for this call
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
