@@ -28,10 +28,21 @@ is overhead: one kernel launch + Python dispatch per small op, per layer. What t
      softmax over the cache prefix) that torch.compile turns into ONE generated kernel per layer.
      Every layer has the same shapes and the position becomes a symbolic int, so one compiled
      function serves all 30 layers and every step. What it removes: the ~15 small eager ops per
-     layer (each a Python dispatch + a kernel launch), a large share of a step once item 5 is on.
+     layer (each a Python dispatch + a kernel launch), a large share of a step once item 5 is on;
+  7. speculative verification compiled (`forward_verify`, CPU): the k + 1 tokens of a round of
+     speculative decoding in ONE forward that returns the logits of ALL T = k + 1 positions, each
+     layer ONE compiled call (`verify_layer`; T, the position and the cache length symbolic, so one
+     graph serves every T >= 2, step and sequence). Its projections stay torch.mm on the (out, in)
+     weights: no formulation measured here beat it at small T. On the 2-core Xeon (the 30 layers'
+     matrices, fp32, T = 1 / 5 / 9 / 17): torch.mm 22 / 39 / 45 / 52 ms (MKL's small-M GEMM is
+     far from the memory bound), oneDNN's no better, MKL on a pre-packed copy (424 MB more)
+     24 / 41 / 32 / -, the row-wise form with T accumulators 30 / 42 (T = 4) / 48 / 82, Inductor's
+     CPP GEMM template only for constant (frozen, packed: copied) weights; in bf16 torch.mm
+     (oneDNN, AMX) takes ~23 ms at any T. So a verification costs ~1.7 decode steps at T = 5 and
+     ~2 at T = 9 in fp32, ~1.3 in bf16.
 
-Tested token-identical to the baseline in fp32, for every gemv mode and with the compiled step
-(tests/test_fast_decode.py).
+Tested token-identical to the baseline in fp32, for every gemv mode and with the compiled step,
+and the verification step's logits against forward_cached's (tests/test_fast_decode.py).
 """
 from __future__ import annotations
 
@@ -267,6 +278,79 @@ def _decode_compiled(model: Llama, token: torch.Tensor, cache: KVCache, rope: Ro
         h = _run_compiled(compiled, decode_layer, h, *weights, k_cache, v_cache, cos_sin, pos, cfg.n_heads, cfg.norm_eps)
     cache.lengths[0] = pos + 1
     return lm_head(model, h.view(1, -1), "compiled")                     # (1, V); torch.mv if compiling failed
+
+
+def verify_layer(h: torch.Tensor, attn_norm: torch.Tensor, wqkv: torch.Tensor, wo: torch.Tensor,
+                 ffn_norm: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, cos_sin: torch.Tensor,
+                 pos: int, n_heads: int, eps: float) -> torch.Tensor:
+    """Item 7: T tokens at positions pos .. pos+T-1 through ONE layer, the same math as
+    forward_fast's loop body written for torch.compile: matmuls for the projections, RoPE by
+    cos/sin, causal attention over the cache prefix with the T new keys written first.
+    h (T, dim) -> (T, dim); k_cache, v_cache (Hkv, max_len, D): this layer's cache, written at
+    pos .. pos+T-1; cos_sin (T, D/2, 2): the rotations at those positions."""
+    T = h.shape[0]
+    Hkv, _, D = k_cache.shape
+    Hq = n_heads
+    G = Hq // Hkv
+    x = F.rms_norm(h, attn_norm.shape, attn_norm, eps)                    # (T, dim)
+    qk, v = (x @ wqkv.t()).split([(Hq + Hkv) * D, Hkv * D], dim=-1)      # (T, (Hq+Hkv)*D), (T, Hkv*D)
+    cos, sin = cos_sin[:, None].unbind(-1)                                # (T, 1, D/2) each: one per position
+    qk = apply_rope(qk.view(T, Hq + Hkv, D), cos, sin)                    # (T, Hq+Hkv, D)
+    q, k = qk.split([Hq, Hkv], dim=1)                                     # (T, Hq, D), (T, Hkv, D)
+    k_cache.narrow(1, pos, T).copy_(k.transpose(0, 1))                    # (Hkv, T, D) at pos..pos+T-1
+    v_cache.narrow(1, pos, T).copy_(v.view(T, Hkv, D).transpose(0, 1))
+    L = pos + T                                                           # keys: the prefix and the new T
+    keys = k_cache.narrow(1, 0, L).float()                                # (Hkv, L, D) fp32 scores,
+    values = v_cache.narrow(1, 0, L).float()                              # (Hkv, L, D) as in decode_layer
+    # GQA as in minillm/gqa.py: a group's G query heads folded into the row axis, K/V not copied
+    q = q.float().view(T, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * T, D)  # (Hkv, G*T, D)
+    scores = (q @ keys.transpose(1, 2)).view(Hkv, G, T, L) * D ** -0.5    # (Hkv, G, T, L)
+    query_pos = pos + torch.arange(T, device=h.device)                    # (T,)
+    visible = torch.arange(L, device=h.device) <= query_pos[:, None]      # (T, L) causal
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)       # (Hkv, G, T, L)
+    out = (probs.view(Hkv, G * T, L) @ values).view(Hkv, G, T, D)         # (Hkv, G, T, D)
+    h = h + out.permute(2, 0, 1, 3).reshape(T, Hq * D).to(h.dtype) @ wo.t()
+    gate, up = (F.rms_norm(h, ffn_norm.shape, ffn_norm, eps) @ w_gate_up.t()).chunk(2, dim=-1)  # (T, ffn) each
+    return h + (F.silu(gate) * up) @ w_down.t()
+
+
+# T and the cache length are marked dynamic (forward_verify) and pos becomes symbolic at the second
+# step (one recompile): from then on one graph serves every T >= 2 at every position, for every
+# sequence. Weight shapes stay static, as in decode_layer. One function for both dtypes (a graph each).
+_compiled_verify_layer = torch.compile(verify_layer)
+
+
+@torch.no_grad()
+def forward_verify(model: Llama, tokens: torch.Tensor, cache: KVCache, rope: RopeTable) -> torch.Tensor:
+    """tokens (1, T) continuing one sequence at cache.lengths[0] -> logits of ALL T positions (T, V),
+    each layer by the compiled verify_layer (item 7; verify_layer itself, eagerly, where compiling
+    fails). Same contract as kv_cache.forward_cached(..., all_logits=True)[0] for batch 1; the
+    model must pass can_compile_step (a fused CPU model, checked by is_fused once per sequence)."""
+    B, T = tokens.shape
+    if B != 1:
+        raise ValueError("forward_verify is the batch-1 path; use kv_cache.forward_cached for batches")
+    if not can_compile_step(model, tokens.device):
+        raise ValueError("forward_verify needs a CPU model with bias-free fused projections (checked by "
+                         "is_fused); use kv_cache.forward_cached(..., all_logits=True) otherwise")
+    cfg = model.cfg
+    start = int(cache.lengths[0])
+    if start + T > cache.max_len:
+        raise ValueError(f"KV cache holds {cache.max_len} positions; this step needs {start + T}")
+    if T == 1:                                 # one token: the compiled decode step IS this step
+        return _decode_compiled(model, tokens, cache, rope, start)       # (1, V)
+    h = model.embed.weight.detach()[tokens[0]]                            # (T, dim) gathered: not a view
+    cos_sin = torch.view_as_real(rope.rotation[start:start + T])          # (T, D/2, 2)
+    k_layers, v_layers = cache.k[:, 0].unbind(0), cache.v[:, 0].unbind(0)  # L x (Hkv, max_len, D) views
+    # Sizes that vary (T per step, max_len per sequence) are symbolic from the first compile, not one
+    # recompile each; layer 0's inputs are the ones a (re)compile sees.
+    for tensor, dim in ((h, 0), (cos_sin, 0), (k_layers[0], 1), (v_layers[0], 1)):
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    for weights, k_cache, v_cache in zip(model._decode_weights, k_layers, v_layers):
+        h = _run_compiled(_compiled_verify_layer, verify_layer, h, *weights, k_cache, v_cache, cos_sin, start,
+                          cfg.n_heads, cfg.norm_eps)
+    cache.lengths[0] = start + T
+    return model.logits(h)                                                # (T, V)
 
 
 @torch.no_grad()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -41,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .fast_decode import forward_fast, fuse_projections, is_fused
+from .fast_decode import can_compile_step, forward_fast, forward_verify, fuse_projections, is_fused
 from .kv_cache import KVCache, forward_cached
 from .model import Llama
 from .positions import RopeTable
@@ -49,6 +50,8 @@ from .sampling import SamplingParams, filtered_probs
 
 METHODS = ("draft", "layerskip", "ngram")
 MAX_SPECULATIVE_TOKENS = 16
+POLICIES = ("adaptive", "always")   # how many drafts a round gets: as many as pay, or always k
+COST_WINDOW = 64                    # recent steps the cost model is fitted to
 
 
 # ---- the verification rules: the part that makes speculation exact ---------------------------------
@@ -128,6 +131,58 @@ def best_k(alpha: float, cost_ratio: float, max_k: int = MAX_SPECULATIVE_TOKENS,
     return max(range(1, max_k + 1), key=lambda k: expected_speedup(alpha, k, cost_ratio, verify_cost))
 
 
+# ---- the adaptive policy: how many drafts pay (batch 1 here; the engine's batch: speculative_engine.py) ----
+
+class StepCostModel:
+    """t(N) = a + b N seconds for a step over N tokens: least squares over the last COST_WINDOW
+    steps. None until the steps seen span at least two token counts (then the policy explores)."""
+
+    def __init__(self, window: int = COST_WINDOW):
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        self.samples.append((num_tokens, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b), both >= 0, or None while the token counts seen do not vary."""
+        if len(self.samples) < 4:
+            return None
+        n = torch.tensor([s[0] for s in self.samples], dtype=torch.float64)       # (W,)
+        t = torch.tensor([s[1] for s in self.samples], dtype=torch.float64)       # (W,)
+        spread = float(((n - n.mean()) ** 2).sum())
+        if spread < 1.0 or float(n.max() - n.min()) < 2:
+            return None
+        b = max(0.0, float(((n - n.mean()) * (t - t.mean())).sum()) / spread)
+        a = max(0.0, float(t.mean()) - b * float(n.mean()))
+        return a, b
+
+
+def plan_draft_lengths(alphas: list[float], max_ks: list[int], base_tokens: int, base_yield: float,
+                       cost: tuple[float, float] | None, draft_seconds_per_token: float = 0.0) -> list[int]:
+    """How many drafts each decoding request should carry this step.
+
+    alphas[i]: request i's estimated acceptance probability; max_ks[i]: the most it may carry;
+    base_tokens: tokens the step runs without drafts; base_yield: tokens it yields without them
+    (one per decoding request); cost: (a, b) of t(N) = a + b N, or None (unknown: take max_ks).
+    Greedy: the candidate drafts sorted by gain alpha_i^j, each taken while
+    gain / (b + c) > E / t (minillm/speculative_engine.py derives it); the gains of one request fall with j,
+    so its drafts are taken in order."""
+    if cost is None:
+        return list(max_ks)
+    a, b = cost
+    per_draft = b + draft_seconds_per_token
+    candidates = sorted(((alpha ** j, i) for i, (alpha, k) in enumerate(zip(alphas, max_ks))
+                         for j in range(1, k + 1)), reverse=True)
+    ks = [0] * len(alphas)
+    expected, seconds = float(base_yield), a + b * base_tokens
+    for gain, i in candidates:
+        if per_draft > 0 and gain * seconds <= per_draft * expected:
+            break                                   # the best remaining draft no longer pays
+        ks[i] += 1
+        expected, seconds = expected + gain, seconds + per_draft
+    return ks
+
+
 # ---- drafts ---------------------------------------------------------------------------------------
 
 class Stepper:
@@ -153,8 +208,13 @@ class Stepper:
         return forward_cached(self.model, ids, self.cache)[0]
 
     def step_all(self, tokens: list[int]) -> torch.Tensor:
-        """Feed tokens; logits (T, V) of every one (verification needs all k + 1)."""
+        """Feed tokens; logits (T, V) of every one (verification needs all k + 1): k + 1 tokens by
+        the compiled verification step (fast_decode item 7) where it applies, else (a longer run,
+        such as a prompt whose logprobs are asked for, or the baseline model) by forward_cached."""
         ids = torch.tensor([tokens], device=self.cache.k.device)          # (1, T)
+        if self.rope is not None and len(tokens) <= MAX_SPECULATIVE_TOKENS + 1 \
+                and can_compile_step(self.model, ids.device):
+            return forward_verify(self.model, ids, self.cache, self.rope)
         return forward_cached(self.model, ids, self.cache, all_logits=True)[0]
 
     def rollback(self, length: int) -> None:
@@ -193,13 +253,15 @@ class NgramDraft:
         self.max_n, self.min_n = max_n, min_n
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator) -> tuple[list[int], None]:
-        """Up to k tokens and q = None: the proposal is deterministic, q is one-hot on it."""
+        """Up to k tokens and q = None: the proposal is deterministic, q is one-hot on it.
+        Each n is one vectorised comparison of every earlier n-gram with the last one."""
+        ids = torch.tensor(context, dtype=torch.long)                  # (L,)
         for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
-            tail = context[-n:]
-            for start in range(len(context) - n - 1, -1, -1):          # latest match first
-                if context[start:start + n] == tail:
-                    follow = context[start + n:start + n + k]
-                    return follow, None
+            earlier = ids[:-1].unfold(0, n, 1)                          # (L-n, n): n-grams ending before the last token
+            starts = (earlier == ids[-n:]).all(-1).nonzero()            # (matches, 1), in context order
+            if len(starts):
+                start = int(starts[-1])                                 # latest match first
+                return context[start + n:start + n + k], None
         return [], None
 
     def rollback(self, length: int) -> None:
@@ -324,6 +386,9 @@ def speculative_stream(llm, req, method: str, k: int, stats: SpecStats | None = 
     stats = stats if stats is not None else SpecStats()
     stats.k = k
     params = req.params
+    # NEW: adaptive. t(T) = a + b T of a target call over T tokens, fitted to this request's calls; a
+    # round drafts only the guesses that pay (plan_draft_lengths with one request).
+    cost = StepCostModel() if getattr(llm, "speculative_policy", "always") == "adaptive" else None
     room = min(llm.max_model_len, len(req.prompt_token_ids) + params.max_tokens) + k + 1
     target = Stepper(llm.model, room)
     if isinstance(draft, ModelDraft):
@@ -340,13 +405,20 @@ def speculative_stream(llm, req, method: str, k: int, stats: SpecStats | None = 
     while not req.finished:
         context = req.all_token_ids                # the target's cache holds all but the last
         left = min(params.max_tokens - len(req.output_token_ids), llm.max_model_len - len(context))
+        k_round = min(k, left - 1)
+        if cost is not None and k_round > 0:
+            alpha = (stats.accepted + 1.0) / (stats.accepted + stats.rejections + 2.0)
+            per_draft = stats.draft_seconds / stats.drafted if stats.drafted and isinstance(draft, ModelDraft) else 0.0
+            k_round = plan_draft_lengths([alpha], [k_round], 1, 1, cost.fit(), per_draft)[0]
         t0 = time.perf_counter()
-        guesses, q = draft.propose(context, min(k, left - 1), params, req.generator)  # NEW: draft
+        guesses, q = draft.propose(context, k_round, params, req.generator)    # NEW: draft
         t1 = time.perf_counter()
         if guesses:
             logits = target.step_all(context[-1:] + guesses)                    # NEW: (n+1, V) at once
         else:
             logits = target.step(context[-1:])[None]                            # (1, V) plain step
+        if cost is not None:
+            cost.observe(1 + len(guesses), time.perf_counter() - t1)
         tokens, accepted = verify(guesses, q, logits, params, req.generator)    # NEW: accept/reject
         stats.target_seconds += time.perf_counter() - t1
         stats.draft_seconds += t1 - t0

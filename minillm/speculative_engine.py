@@ -32,65 +32,29 @@ compute-bound. vLLM v0 had a fixed threshold instead (speculative_disable_by_bat
 from __future__ import annotations
 
 import time
-from collections import deque
 
 import torch
 
-from .speculative import METHODS, ModelDraft, NgramDraft, check_args, make_draft, verify
+from .speculative import (METHODS, POLICIES, ModelDraft, NgramDraft, StepCostModel, check_args,
+                          expected_tokens_per_call, make_draft, plan_draft_lengths, verify)
 
-POLICIES = ("adaptive", "always")
 PRIOR_TRIALS = 2.0          # pseudo-observations behind a request's acceptance estimate
-COST_WINDOW = 64            # recent steps the cost model is fitted to
 
 
-class StepCostModel:
-    """t(N) = a + b N seconds for a step over N tokens: least squares over the last COST_WINDOW
-    steps. None until the steps seen span at least two token counts (then the policy explores)."""
-
-    def __init__(self, window: int = COST_WINDOW):
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        self.samples.append((num_tokens, seconds))
-
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b), both >= 0, or None while the token counts seen do not vary."""
-        if len(self.samples) < 4:
-            return None
-        n = torch.tensor([s[0] for s in self.samples], dtype=torch.float64)       # (W,)
-        t = torch.tensor([s[1] for s in self.samples], dtype=torch.float64)       # (W,)
-        spread = float(((n - n.mean()) ** 2).sum())
-        if spread < 1.0 or float(n.max() - n.min()) < 2:
-            return None
-        b = max(0.0, float(((n - n.mean()) * (t - t.mean())).sum()) / spread)
-        a = max(0.0, float(t.mean()) - b * float(n.mean()))
-        return a, b
+def roofline_speedup(alpha: float, k: int, batch: int, ridge_tokens: float) -> float:
+    """Throughput of speculating k drafts per request over plain decoding, at `batch` requests, when a
+    step over N tokens takes t(N) = max(1, N / ridge_tokens) (flat while reading the weights is the
+    cost, linear once arithmetic is; drafting free): E(alpha, k) tokens per request-step for the price
+    of t(batch (1 + k)) instead of t(batch)."""
+    def t(n):
+        return max(1.0, n / ridge_tokens)
+    return expected_tokens_per_call(alpha, k) * t(batch) / t(batch * (1 + k))
 
 
-def plan_draft_lengths(alphas: list[float], max_ks: list[int], base_tokens: int, base_yield: float,
-                       cost: tuple[float, float] | None, draft_seconds_per_token: float = 0.0) -> list[int]:
-    """How many drafts each decoding request should carry this step.
-
-    alphas[i]: request i's estimated acceptance probability; max_ks[i]: the most it may carry;
-    base_tokens: tokens the step runs without drafts; base_yield: tokens it yields without them
-    (one per decoding request); cost: (a, b) of t(N) = a + b N, or None (unknown: take max_ks).
-    Greedy: the candidate drafts sorted by gain alpha_i^j, each taken while
-    gain / (b + c) > E / t (see the module docstring); the gains of one request fall with j,
-    so its drafts are taken in order."""
-    if cost is None:
-        return list(max_ks)
-    a, b = cost
-    per_draft = b + draft_seconds_per_token
-    candidates = sorted(((alpha ** j, i) for i, (alpha, k) in enumerate(zip(alphas, max_ks))
-                         for j in range(1, k + 1)), reverse=True)
-    ks = [0] * len(alphas)
-    expected, seconds = float(base_yield), a + b * base_tokens
-    for gain, i in candidates:
-        if per_draft > 0 and gain * seconds <= per_draft * expected:
-            break                                   # the best remaining draft no longer pays
-        ks[i] += 1
-        expected, seconds = expected + gain, seconds + per_draft
-    return ks
+def crossover_batch(alpha: float, k: int, ridge_tokens: float) -> float:
+    """The batch size where roofline_speedup falls to 1: ridge_tokens * E(alpha, k) / (1 + k).
+    Below it the drafts ride in the step's spare arithmetic; above it each rejected draft is paid."""
+    return ridge_tokens * expected_tokens_per_call(alpha, k) / (1 + k)
 
 
 class EngineSpeculation:
@@ -171,4 +135,5 @@ class EngineSpeculation:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
-__all__ = ["EngineSpeculation", "StepCostModel", "plan_draft_lengths", "POLICIES", "METHODS"]
+__all__ = ["EngineSpeculation", "StepCostModel", "plan_draft_lengths", "roofline_speedup", "crossover_batch",
+           "POLICIES", "METHODS"]

@@ -4,8 +4,8 @@ import torch
 import torch.nn as nn
 
 from minillm import SamplingParams, fast_decode
-from minillm.fast_decode import forward_fast, fuse_projections, generate_greedy_fast, is_fused
-from minillm.kv_cache import KVCache, generate_greedy, generate_greedy_naive
+from minillm.fast_decode import forward_fast, forward_verify, fuse_projections, generate_greedy_fast, is_fused
+from minillm.kv_cache import KVCache, forward_cached, generate_greedy, generate_greedy_naive
 from minillm.model import ATTENTION_BACKENDS, random_model, tiny_config
 from minillm.positions import RopeTable
 
@@ -169,3 +169,75 @@ def test_the_compiled_gemv_is_refused_on_a_gpu_and_auto_picks_torch_mv_there():
     assert resolve_gemv("auto", "cuda") == "mv"
     assert resolve_gemv("auto", "cpu") == "compiled"
     assert not can_compile_step(fuse_projections(random_model(tiny_config(), seed=9)), "cuda")
+
+
+# ---- item 7: the compiled verification step (all T logits) ---------------------------------------
+
+def _cached_pair(model, prompt, start, max_len=48):
+    """Two caches holding prompt[:start], and the RoPE table."""
+    caches = [KVCache(model.cfg, 1, max_len) for _ in range(2)]
+    for cache in caches:
+        forward_cached(model, torch.tensor([prompt[:start]]), cache)
+    return caches, RopeTable(model.cfg.head_dim, model.cfg.rope_theta, max_len, "cpu")
+
+
+def test_verify_step_gives_every_logit_of_forward_cached_and_runs_compiled(monkeypatch):
+    """forward_verify returns the logits of ALL T positions and writes the same K/V as
+    forward_cached(all_logits=True) (fp32, 1e-5), for T = 2, 5, 9 and T = 1 (the decode step) at
+    several start positions. It ran compiled: the compiled verify_layer was called once per layer
+    for every T >= 2, nothing fell back to eager, and at most two graphs served all T and starts
+    (pos turns symbolic at the first new position; T and the cache length are symbolic from the start)."""
+    model = fuse_projections(random_model(tiny_config(), seed=12))
+    compiled, calls = fast_decode._compiled_verify_layer, []
+
+    def counting(h, *weights_cache_rope_and_config):
+        calls.append(h.shape[0])
+        return compiled(h, *weights_cache_rope_and_config)
+
+    monkeypatch.setattr(fast_decode, "_compiled_verify_layer", counting)
+    prompt = list(range(3, 43))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for T in (2, 5, 9, 1):
+        if T == 1:                                           # all T >= 2 done: count their graphs
+            assert 1 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 2
+        for start in (2, 11, 29):
+            (reference, verified), rope = _cached_pair(model, prompt, start)
+            tokens = torch.tensor([prompt[start:start + T]])
+            want = forward_cached(model, tokens, reference, all_logits=True)[0]     # (T, V)
+            got = forward_verify(model, tokens, verified, rope)                      # (T, V)
+            assert got.shape == (T, model.cfg.vocab_size)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert int(verified.lengths[0]) == int(reference.lengths[0]) == start + T
+            torch.testing.assert_close(verified.k, reference.k, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(verified.v, reference.v, rtol=1e-5, atol=1e-5)
+    assert calls == [T for T in (2, 5, 9) for _ in range(3) for _ in range(model.cfg.n_layers)]
+    assert fast_decode._compiler_broken is None
+
+
+def test_verify_step_without_a_compiler_warns_and_still_gives_every_logit(monkeypatch):
+    def no_compiler(*args):
+        raise torch._inductor.exc.InvalidCxxCompiler()
+    monkeypatch.setattr(fast_decode, "_compiler_broken", None)    # restored after the test
+    monkeypatch.setattr(fast_decode, "_compiled_verify_layer", no_compiler)
+    model = fuse_projections(random_model(tiny_config(), seed=13))
+    prompt = [4, 8, 15, 16, 23, 42, 4, 8]
+    (reference, verified), rope = _cached_pair(model, prompt, 3, max_len=16)
+    tokens = torch.tensor([prompt[3:]])
+    with pytest.warns(UserWarning, match="could not build"):
+        got = forward_verify(model, tokens, verified, rope)
+    torch.testing.assert_close(got, forward_cached(model, tokens, reference, all_logits=True)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_bad_verify_requests_are_refused():
+    model = fuse_projections(random_model(tiny_config(), seed=14))
+    cache = KVCache(model.cfg, 1, 8)
+    rope = RopeTable(model.cfg.head_dim, model.cfg.rope_theta, 8, "cpu")
+    with pytest.raises(ValueError, match="batch-1"):
+        forward_verify(model, torch.tensor([[1, 2], [3, 4]]), cache, rope)
+    with pytest.raises(ValueError, match="holds 8 positions; this step needs 9"):
+        forward_verify(model, torch.tensor([list(range(9))]), cache, rope)
+    model.layers[0].attn.wo.bias = nn.Parameter(torch.zeros(model.cfg.dim))
+    assert is_fused(model)                                         # the per-sequence check sees the bias
+    with pytest.raises(ValueError, match="bias-free"):
+        forward_verify(model, torch.tensor([[1, 2]]), cache, rope)

@@ -7,9 +7,9 @@ from helpers import CharTokenizer
 from minillm import LLM, SamplingParams
 from minillm.model import random_model, tiny_config
 from minillm.sampling import filtered_probs
-from minillm.speculative import (METHODS, ModelDraft, NgramDraft, SpecStats, acceptance_probability, best_k, check_args,
-                                 default_skipped_layers, expected_speedup, expected_tokens_per_call, greedy_verify,
-                                 layer_subset, make_draft, rejection_sample, speculative_stream, verify)
+from minillm.speculative import (METHODS, ModelDraft, NgramDraft, SpecStats, Stepper, acceptance_probability, best_k,
+                                 check_args, default_skipped_layers, expected_speedup, expected_tokens_per_call,
+                                 greedy_verify, layer_subset, make_draft, rejection_sample, speculative_stream, verify)
 
 V = 10                                 # small vocabulary for the statistical tests
 
@@ -373,3 +373,62 @@ def test_best_k_maximises_the_expected_speedup(alpha, cost):
     k = best_k(alpha, cost, max_k=8)
     assert all(expected_speedup(alpha, k, cost) >= expected_speedup(alpha, j, cost) for j in range(1, 9))
     assert best_k(0.8, 0.05) == 8 and best_k(0.8, 0.2) == 4          # cheaper drafts afford more guesses
+
+
+# ---- the batch-1 runner's parts: n-gram search, verification step, rollback ------------------------------
+
+def _ngram_reference(context, k, max_n, min_n):
+    """The nested loops NgramDraft.propose used to run: for n = max_n .. min_n, every earlier start,
+    latest first; what followed the first match found."""
+    for n in range(min(max_n, len(context) - 1), min_n - 1, -1):
+        tail = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == tail:
+                return context[start + n:start + n + k]
+    return []
+
+
+def test_ngram_vectorised_search_proposes_exactly_what_the_loops_did():
+    """Random contexts over small vocabularies (many matches, of every length) and large ones (few),
+    every k and n range: the same proposal, including 'nothing' and a match near the end (short follow)."""
+    gen = torch.Generator().manual_seed(0)
+    greedy = SamplingParams(temperature=0)
+    for trial in range(400):
+        vocab = (2, 3, 5, 40)[trial % 4]
+        context = torch.randint(vocab, (int(torch.randint(0, 50, (), generator=gen)),), generator=gen).tolist()
+        k = int(torch.randint(0, 9, (), generator=gen))
+        min_n = 1 + trial % 3
+        max_n = min_n + trial // 3 % 3
+        got = NgramDraft(max_n, min_n).propose(context, k, greedy, None)
+        assert got == (_ngram_reference(context, k, max_n, min_n), None), (context, k, max_n, min_n)
+
+
+def test_step_all_on_a_fused_model_runs_forward_verify_and_rolls_back_without_copying(tiny_model, monkeypatch):
+    """A fused model verifies through fast_decode.forward_verify (run eagerly here: the compiled
+    layers have their own tests in test_fast_decode.py) with forward_cached's logits; rollback only
+    shortens the cache, and the next round overwrites the rejected positions."""
+    from minillm import fast_decode, speculative
+
+    calls = []
+
+    def counting(model, ids, cache, rope):
+        calls.append(ids.shape[1])
+        return fast_decode.forward_verify(model, ids, cache, rope)
+
+    monkeypatch.setattr(speculative, "forward_verify", counting)
+    monkeypatch.setattr(fast_decode, "_compiled_verify_layer", fast_decode.verify_layer)
+    monkeypatch.setattr(fast_decode, "_compiled_dot", fast_decode._rowwise_dot)   # the prefill's LM head GEMV
+    context, guesses = [5, 17, 99, 5, 17, 42, 7], [5, 17, 99, 5]
+    baseline = Stepper(tiny_model, 32)                                 # not fused: forward_cached
+    baseline.step(context)
+    want = baseline.step_all(guesses)                                  # (4, V)
+    assert calls == []
+    fast_decode.fuse_projections(tiny_model)
+    fast = Stepper(tiny_model, 32)
+    fast.step(context)
+    keys = fast.cache.k.data_ptr()
+    torch.testing.assert_close(fast.step_all(guesses), want, rtol=1e-5, atol=1e-5)
+    fast.rollback(len(context) + 1)                                    # one guess accepted
+    assert fast.length == len(context) + 1 and fast.cache.k.data_ptr() == keys
+    torch.testing.assert_close(fast.step_all(guesses[1:]), want[1:], rtol=1e-5, atol=1e-5)
+    assert calls == [4, 3]

@@ -11,7 +11,7 @@ import torch
 from helpers import CharTokenizer, random_prompts
 from minillm import LLM, SamplingParams
 from minillm.model import random_model, tiny_config
-from minillm.speculative_engine import StepCostModel, plan_draft_lengths
+from minillm.speculative_engine import StepCostModel, crossover_batch, plan_draft_lengths, roofline_speedup
 from test_speculative import chi2_pvalue
 
 LENGTHS = [1, 5, 17, 33, 64, 100, 3, 40]
@@ -191,3 +191,15 @@ def test_adaptive_policy_switches_drafts_off_when_they_do_not_pay(model):
 def test_bad_policy_is_a_clear_error(model):
     with pytest.raises(ValueError, match="speculative_policy"):
         make_llm(model, speculative_method="ngram", speculative_policy="sometimes")
+
+
+def test_roofline_crossover_is_where_the_speedup_falls_to_one():
+    """Below the ridge drafts are free (speedup = tokens per call); past it plain decoding is
+    compute-bound too and speculation keeps only E / (1 + k); the crossover sits in between."""
+    ridge, k = 206.0, 4
+    assert roofline_speedup(1.0, k, 1, ridge) == pytest.approx(5.0)
+    assert roofline_speedup(0.8, k, 1, ridge) == pytest.approx(3.3616)      # 1 + .8 + .8^2 + .8^3 + .8^4
+    assert roofline_speedup(0.8, k, 1000, ridge) == pytest.approx(3.3616 / 5)
+    b = crossover_batch(0.8, k, ridge)
+    assert b == pytest.approx(ridge * 3.3616 / 5)
+    assert roofline_speedup(0.8, k, int(b) - 1, ridge) > 1 > roofline_speedup(0.8, k, int(b) + 2, ridge)

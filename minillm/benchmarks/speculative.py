@@ -1,7 +1,7 @@
 """Speculative decoding on SmolLM2-135M: acceptance, tokens per target call, wall-clock speedup.
 
 For each prompt kind (input-grounded text editing, factual QA, creative writing), temperature
-(0, 0.7, 1.0), draft ("ngram", "draft", "layerskip") and k = 1..8, one request of 40 new
+(0, 0.7, 1.0), draft ("ngram", "draft", "layerskip") and k = 1, 2, 4, 8, one request of 40 new
 tokens (ignore_eos, so every run emits the same number) is decoded plainly and speculatively.
 Each speculative run is paired with a plain run of the same request just before it (the machine
 is shared, so its load drifts; pairing keeps both sides of a ratio under the same load).
@@ -9,6 +9,11 @@ Before the grid, two small tables justify the drafts that need a choice:
   - draft_choice: candidate draft models derived from SmolLM2: step-time ratio c to the target
     and greedy agreement with it (teacher-forced) -> the predicted best speedup;
   - layer_importance: greedy agreement when exactly one layer is skipped (full run only).
+After the grid, two tables the batch-1 goal and the server question need:
+  - batch1: LLM.generate of one request, plain vs n-gram (k = 4, and the adaptive policy), in fp32
+    and bf16, on copy / edit / code prompts (the answer is in the prompt) and a creative one at T = 0.8;
+  - engine: B = 1..64 copies of a prompt through the continuous-batching engine, plain vs n-gram
+    every step vs the adaptive policy: throughput, latency, the crossover batch size.
 """
 from __future__ import annotations
 
@@ -40,6 +45,24 @@ PROMPTS = {
 }
 
 
+# Batch-1 goal rows and the engine's crossover: input-grounded prompts (the answer is in the prompt)
+# and a creative one sampled at T = 0.8. The copy passage and the code are held out: no test or
+# other benchmark uses them.
+COPY_PASSAGE = ("A river does not run in a straight line. It bends around hard rock, cuts through soft clay, and "
+                "slowly carves a valley that is wider than the river itself. Over thousands of years the bends move "
+                "downstream, and the old channels become quiet lakes shaped like the moon.")
+CODE = ("def moving_average(values, window):\n    result = []\n    for i in range(len(values) - window + 1):\n"
+        "        chunk = values[i:i + window]\n        result.append(sum(chunk) / window)\n    return result\n")
+BATCH1_PROMPTS = {
+    "copy": ("Copy the following passage exactly, word for word:\n\n" + COPY_PASSAGE, 0.0),
+    "edit": (PROMPTS["grounded"], 0.0),
+    "code": ("Add type hints and a docstring to this Python function and return the whole function:\n\n"
+             "```python\n" + CODE + "```", 0.0),
+    "creative": (PROMPTS["creative"], 0.8),
+}
+ENGINE_KINDS = ("edit", "creative")
+
+
 def run(quick: bool) -> dict:
     from .. import LLM
 
@@ -51,7 +74,7 @@ def run(quick: bool) -> dict:
     config = {
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to float32)",
         "max_tokens": 12 if quick else 40,
-        "ks": [2, 4] if quick else list(range(1, 9)),
+        "ks": [2, 4] if quick else [1, 2, 4, 8],
         "temperatures": [0.0, 1.0] if quick else [0.0, 0.7, 1.0],
         "kinds": ["grounded"] if quick else list(PROMPTS),
         "methods": list(METHODS),
@@ -66,6 +89,12 @@ def run(quick: bool) -> dict:
     teacher = [(tok.encode(prompts[k]), greedy_outputs[k]) for k in config["kinds"]]
     draft_choice = measure_draft_choice(llm.model, teacher, reps=3 if quick else 10)
     layers = [] if quick else measure_layer_importance(llm.model, teacher)
+    for method in config["methods"]:                       # untimed: compile every draft's shapes first
+        for k in config["ks"]:
+            for temperature in config["temperatures"]:
+                for _ in speculative_stream(llm, _request(llm, prompts[config["kinds"][0]], temperature, 8),
+                                            method, k, SpecStats(), make_draft(llm.model, method)):
+                    pass
     results = []
     for kind in config["kinds"]:
         for temperature in config["temperatures"]:
@@ -73,7 +102,156 @@ def run(quick: bool) -> dict:
     summary = summarise(results, draft_choice)
     summary["draft_choice"] = draft_choice
     summary["layer_importance"] = layers
-    return common.document(NAME, config, results, summary)
+    batch1 = measure_batch1(llm, quick)
+    engine, cost = measure_engine(llm, quick)
+    summary["batch1"] = summarise_batch1(batch1)
+    summary["engine"] = summarise_engine(engine)
+    summary["engine"]["cost_model"] = cost
+    doc = common.document(NAME, config, results, summary)
+    doc["batch1"], doc["engine"] = batch1, engine
+    return doc
+
+
+# ---- batch 1 on the fast path: plain vs n-gram (fixed k and the adaptive policy), fp32 and bf16 -------
+
+def measure_batch1(llm, quick: bool) -> list[dict]:
+    """LLM.generate of one request (the contiguous batch-1 path), plain vs n-gram speculation with
+    k = 4 and with the adaptive policy (k up to 8), for each prompt of BATCH1_PROMPTS, in fp32 and
+    bf16. Modes run interleaved, repeated; each row is one dtype x prompt x mode with the median."""
+    from .. import LLM
+
+    tok = llm.get_tokenizer()
+    max_tokens, reps = (24, 1) if quick else (96, 2)
+    modes = {"plain": {}, "ngram k=4": dict(speculative_method="ngram", num_speculative_tokens=4,
+                                            speculative_policy="always"),
+             "ngram adaptive": dict(speculative_method="ngram", num_speculative_tokens=8)}
+    kinds = ["copy", "creative"] if quick else list(BATCH1_PROMPTS)
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        model = llm.model if dtype == "float32" else LLM(model="smollm2", dtype=dtype).model
+        llms = {mode: LLM(model=model, tokenizer=tok, max_model_len=llm.max_model_len, **kw)
+                for mode, kw in modes.items()}
+        for kind in kinds:
+            text, temperature = BATCH1_PROMPTS[kind]
+            prompt = tok.apply_chat_template([{"role": "user", "content": text}])
+            params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
+            times = {mode: [] for mode in modes}
+            outputs = {}
+            for rep in range(reps + 1):                    # rep 0: warm-up (compiles the shapes)
+                for mode, m in llms.items():
+                    stats_before = _spec_counts(m)
+                    t0 = time.perf_counter()
+                    out = m.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+                    seconds = time.perf_counter() - t0
+                    if rep:
+                        times[mode].append(seconds)
+                    outputs[mode] = (out.token_ids, _spec_delta(m, stats_before))
+            plain = statistics.median(times["plain"])
+            for mode in modes:
+                tokens, counts = outputs[mode]
+                rows.append({"dtype": dtype, "kind": kind, "temperature": temperature, "mode": mode,
+                             "tokens": len(tokens), "seconds": statistics.median(times[mode]),
+                             "all_seconds": times[mode], "tokens_per_s": len(tokens) / statistics.median(times[mode]),
+                             "speedup": plain / statistics.median(times[mode]),
+                             "same_tokens_as_plain": tokens == outputs["plain"][0], **counts})
+    return rows
+
+
+def _spec_counts(llm) -> tuple:
+    counts = llm.speculative_counts
+    return counts["drafted"], counts["accepted"], counts["target_calls"]
+
+
+def _spec_delta(llm, before) -> dict:
+    if llm.speculative_method is None:
+        return {}
+    drafted, accepted, calls = (now - then for now, then in zip(_spec_counts(llm), before))
+    return {"drafted": drafted, "accepted": accepted, "target_calls": calls,
+            "acceptance_rate": accepted / drafted if drafted else 0.0}
+
+
+def summarise_batch1(rows: list[dict]) -> dict:
+    out = {}
+    for r in rows:
+        out[f"{r['dtype']} {r['kind']} {r['mode']}"] = round(r["speedup"], 3)
+    return out
+
+
+# ---- inside the engine: throughput vs batch size, with and without speculation -----------------------
+
+def measure_engine(llm, quick: bool) -> tuple[list[dict], dict | None]:
+    """B copies of one prompt through the continuous batching engine (every B, including 1), plain vs
+    n-gram k = 5 every step ("always") vs the adaptive policy (k up to 5): generated tokens per second
+    of the whole batch and the median request latency. Modes interleaved, medians over reps; the
+    adaptive policy's cost model keeps what it learned in earlier runs (as a server would); its last
+    fit t(N) = a + b N is returned beside the rows."""
+    from .. import LLM
+
+    tok = llm.get_tokenizer()
+    batches, reps, max_tokens = ((1, 4), 1, 16) if quick else ((1, 4, 16, 64), 2, 48)
+    modes = {"plain": {}, "ngram always": dict(speculative_method="ngram", num_speculative_tokens=5,
+                                               speculative_policy="always"),
+             "ngram adaptive": dict(speculative_method="ngram", num_speculative_tokens=5)}
+    llms = {mode: LLM(model=llm.model, tokenizer=tok, max_model_len=llm.max_model_len, max_num_seqs=64, **kw)
+            for mode, kw in modes.items()}
+    rows = []
+    for kind in ENGINE_KINDS:
+        text, temperature = BATCH1_PROMPTS[kind]
+        prompt = tok.apply_chat_template([{"role": "user", "content": text}])
+        for B in batches:
+            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=s)
+                      for s in range(B)]
+            runs = {mode: [] for mode in modes}
+            for rep in range(reps + 1):                    # rep 0: warm-up
+                for mode, m in llms.items():
+                    engine = m.engine
+                    spec = engine.speculation
+                    before = (spec.drafted, spec.accepted, spec.verify_runs) if spec else (0, 0, 0)
+                    first_step = len(engine.step_log)
+                    requests = m.make_requests([prompt] * B, params)
+                    t0 = time.perf_counter()
+                    engine.run(requests)
+                    seconds = time.perf_counter() - t0
+                    steps = engine.step_log[first_step:]
+                    if rep:
+                        latency = statistics.median(r.metrics.finished_time - r.metrics.arrival_time for r in requests)
+                        drafted = spec.drafted - before[0] if spec else 0
+                        runs[mode].append({"seconds": seconds, "latency": latency, "steps": len(steps),
+                                           "drafted": drafted, "accepted": (spec.accepted - before[1]) if spec else 0,
+                                           "verify_runs": (spec.verify_runs - before[2]) if spec else 0,
+                                           "tokens": sum(len(r.output_token_ids) for r in requests)})
+            plain = statistics.median(r["seconds"] for r in runs["plain"])
+            for mode, rs in runs.items():
+                seconds = statistics.median(r["seconds"] for r in rs)
+                drafted, accepted = sum(r["drafted"] for r in rs), sum(r["accepted"] for r in rs)
+                rows.append({"kind": kind, "temperature": temperature, "batch": B, "mode": mode,
+                             "seconds": seconds, "tokens_per_s": rs[0]["tokens"] / seconds,
+                             "latency_s": statistics.median(r["latency"] for r in rs),
+                             "speedup": plain / seconds, "steps": statistics.median(r["steps"] for r in rs),
+                             "drafted": drafted, "accepted": accepted,
+                             "acceptance_rate": accepted / drafted if drafted else 0.0,
+                             "drafts_per_request_step": drafted / max(1, sum(r["verify_runs"] for r in rs))
+                             if drafted else 0.0,
+                             "accepted_per_step": accepted / max(1, sum(r["steps"] for r in rs))})
+    fit = llms["ngram adaptive"].engine.speculation.cost.fit()       # t(N) = a + b N over its last steps
+    cost = None if fit is None else {"a_s": fit[0], "b_s_per_token": fit[1],
+                                     "knee_tokens": fit[0] / fit[1] if fit[1] else None}
+    return rows, cost
+
+
+def summarise_engine(rows: list[dict]) -> dict:
+    """The crossover: per prompt kind, the largest measured batch where speculating every step
+    ("always") is still faster than plain, and the adaptive policy's speedup at each batch."""
+    out = {}
+    for kind in ENGINE_KINDS:
+        mine = [r for r in rows if r["kind"] == kind]
+        always = sorted((r for r in mine if r["mode"] == "ngram always"), key=lambda r: r["batch"])
+        adaptive = sorted((r for r in mine if r["mode"] == "ngram adaptive"), key=lambda r: r["batch"])
+        paying = [r["batch"] for r in always if r["speedup"] > 1.0]
+        out[kind] = {"largest_batch_where_always_pays": max(paying) if paying else None,
+                     "always_speedup": {str(r["batch"]): r["speedup"] for r in always},
+                     "adaptive_speedup": {str(r["batch"]): r["speedup"] for r in adaptive}}
+    return out
 
 
 def _request(llm, prompt: str, temperature: float, max_tokens: int):
