@@ -20,7 +20,7 @@ from .fast_decode import forward_fast, fuse_projections, is_fused
 from .kv_cache import KVCache, forward_cached
 from .block_manager import check_prefix_cache
 from .engine import Engine, check_engine_args
-from .speculative_engine import POLICIES as SPECULATIVE_POLICIES, EngineSpeculation
+from .speculative_engine import EngineSpeculation
 from .loader import load_model, resolve_device
 from .model import check_attention_backend
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -62,11 +62,9 @@ class LLM:
         self.parallel = None
         mode, size = _parallel_mode(tensor_parallel_size, pipeline_parallel_size, quantization, speculative_method)
         if speculative_method is not None:
-            from .speculative import check_args
+            from .speculative import check_args, check_policy
             check_args(speculative_method, num_speculative_tokens)
-            if speculative_policy not in SPECULATIVE_POLICIES:
-                raise ValueError(f"speculative_policy = {speculative_policy!r} is unknown; allowed: "
-                                 f"{', '.join(map(repr, SPECULATIVE_POLICIES))}")
+            check_policy(speculative_policy)
         self.speculative_policy = speculative_policy
         # the batch-1 path's totals (the engine keeps its own: llm.engine.speculation)
         self.speculative_counts = dict(drafted=0, accepted=0, target_calls=0)

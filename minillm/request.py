@@ -58,8 +58,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)   # draft tokens to verify in the next step
     spec_probs: torch.Tensor | None = None # (k, V) the draft's distribution; None: one-hot (n-gram, greedy)
     drafter: object | None = None          # this request's proposer (a draft model keeps its own cache)
-    num_drafted: int = 0                   # draft tokens verified so far
-    num_accepted: int = 0                  # of which accepted
+    num_accepted: int = 0                  # draft tokens accepted so far
     num_rejections: int = 0                # verification steps that ended in a rejection
 
     @property

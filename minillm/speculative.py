@@ -368,6 +368,18 @@ class SpecStats:
         return self.emitted / self.target_calls if self.target_calls else 0.0
 
 
+def check_policy(policy: str) -> None:
+    """Validate LLM(speculative_policy=...)."""
+    if policy not in POLICIES:
+        raise ValueError(f"speculative_policy = {policy!r} is unknown; allowed: {', '.join(map(repr, POLICIES))}")
+
+
+def estimate_alpha(accepted: int, rejections: int, prior: float = 0.5, weight: float = 2.0) -> float:
+    """Acceptance probability of one draft from a record of accepted drafts and rejecting rounds
+    (each round tests drafts until its first rejection), with `weight` pseudo-trials at `prior`."""
+    return (accepted + weight * prior) / (accepted + rejections + weight)
+
+
 def check_args(method: str, k: int) -> None:
     """Validate LLM(speculative_method=..., num_speculative_tokens=...)."""
     if method not in METHODS:
@@ -407,7 +419,7 @@ def speculative_stream(llm, req, method: str, k: int, stats: SpecStats | None = 
         left = min(params.max_tokens - len(req.output_token_ids), llm.max_model_len - len(context))
         k_round = min(k, left - 1)
         if cost is not None and k_round > 0:
-            alpha = (stats.accepted + 1.0) / (stats.accepted + stats.rejections + 2.0)
+            alpha = estimate_alpha(stats.accepted, stats.rejections)
             per_draft = stats.draft_seconds / stats.drafted if stats.drafted and isinstance(draft, ModelDraft) else 0.0
             k_round = plan_draft_lengths([alpha], [k_round], 1, 1, cost.fit(), per_draft)[0]
         t0 = time.perf_counter()

@@ -35,10 +35,8 @@ import time
 
 import torch
 
-from .speculative import (METHODS, POLICIES, ModelDraft, NgramDraft, StepCostModel, check_args,
+from .speculative import (ModelDraft, NgramDraft, StepCostModel, check_args, check_policy, estimate_alpha,
                           expected_tokens_per_call, make_draft, plan_draft_lengths, verify)
-
-PRIOR_TRIALS = 2.0          # pseudo-observations behind a request's acceptance estimate
 
 
 def roofline_speedup(alpha: float, k: int, batch: int, ridge_tokens: float) -> float:
@@ -62,8 +60,7 @@ class EngineSpeculation:
 
     def __init__(self, llm, method: str, k: int, policy: str = "adaptive"):
         check_args(method, k)
-        if policy not in POLICIES:
-            raise ValueError(f"speculative_policy = {policy!r} is unknown; allowed: {', '.join(map(repr, POLICIES))}")
+        check_policy(policy)
         self.llm, self.method, self.k, self.policy = llm, method, k, policy
         self.cost = StepCostModel()
         self.ngram = NgramDraft() if method == "ngram" else None
@@ -109,8 +106,7 @@ class EngineSpeculation:
 
     def alpha(self, r) -> float:
         """Acceptance probability of one draft: this request's record, pulled toward the engine's."""
-        overall = (self.accepted + 1.0) / (self.accepted + self.rejections + 2.0)
-        return (r.num_accepted + PRIOR_TRIALS * overall) / (r.num_accepted + r.num_rejections + PRIOR_TRIALS)
+        return estimate_alpha(r.num_accepted, r.num_rejections, prior=estimate_alpha(self.accepted, self.rejections))
 
     # --- 3. verify, 4. roll back -------------------------------------------------------------
     def verify(self, r, logits: torch.Tensor) -> tuple[list[int], int]:
@@ -118,7 +114,6 @@ class EngineSpeculation:
         and a, the drafts accepted. Updates the statistics and the proposer's own cache."""
         drafts = r.spec_token_ids
         tokens, accepted = verify(drafts, r.spec_probs, logits, r.params, r.generator)
-        r.num_drafted += len(drafts)
         r.num_accepted += accepted
         r.num_rejections += int(accepted < len(drafts))
         self.drafted += len(drafts)
@@ -134,6 +129,3 @@ class EngineSpeculation:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
-
-__all__ = ["EngineSpeculation", "StepCostModel", "plan_draft_lengths", "roofline_speedup", "crossover_batch",
-           "POLICIES", "METHODS"]

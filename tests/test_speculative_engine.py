@@ -11,7 +11,8 @@ import torch
 from helpers import CharTokenizer, random_prompts
 from minillm import LLM, SamplingParams
 from minillm.model import random_model, tiny_config
-from minillm.speculative_engine import StepCostModel, crossover_batch, plan_draft_lengths, roofline_speedup
+from minillm.speculative import StepCostModel, plan_draft_lengths
+from minillm.speculative_engine import crossover_batch, roofline_speedup
 from test_speculative import chi2_pvalue
 
 LENGTHS = [1, 5, 17, 33, 64, 100, 3, 40]
