@@ -41,6 +41,13 @@ is overhead: one kernel launch + Python dispatch per small op, per layer. What t
      (oneDNN, AMX) takes ~23 ms at any T. So a verification costs ~1.7 decode steps at T = 5 and
      ~2 at T = 9 in fp32, ~1.3 in bf16.
 
+  8. quantised weights in the compiled step (`quantized_step_ready`, `forward_quantized`, CPU): for
+     a model whose projections are int8 or int 3/4-bit QuantLinears, the step of item 6 multiplies by
+     the packed weights with torch's int8 / int4 kernels (minillm/quant/cpu_kernels.py) where it would
+     do a row-wise dot: the kernels read the codes and dequantise in registers, the graph around them
+     is the same one generated loop per layer. wq/wk/wv and w_gate/w_up are stacked into one packed
+     matrix each, as in item 1. A prompt runs kv_cache.forward_cached over the QuantLinears.
+
 Tested token-identical to the baseline in fp32, for every gemv mode and with the compiled step,
 and the verification step's logits against forward_cached's (tests/test_fast_decode.py).
 """
@@ -105,6 +112,42 @@ def _decode_weights(model: Llama) -> list[tuple[torch.Tensor, ...]] | None:
         weights.append((layer.attn_norm.weight.detach(), attn.wqkv.weight.detach(), attn.wo.weight.detach(),
                         layer.ffn_norm.weight.detach(), ffn.w_gate_up.weight.detach(), ffn.w_down.weight.detach()))
     return weights
+
+
+def quantized_step_ready(model: Llama) -> bool:
+    """Item 8: for a model whose projections are QuantLinears with CPU kernels (int8, or int 3/4-bit
+    without act-order; minillm/quant/cpu_kernels.py), set model._decode_weights to packed weights that
+    the compiled decode step (item 6) multiplies by in place of its row-wise dots: (weight, scale,
+    group) per projection, wq/wk/wv and w_gate/w_up stacked into one call each, in the model's dtype.
+    Built once and reused while no stored tensor changes; False (and None) where any projection has
+    no kernel: that model runs kv_cache.forward_cached. Called once per sequence, like is_fused."""
+    from .quant import cpu_kernels
+    from .quant.linear import QuantLinear
+
+    model._decode_weights = None
+    if not cpu_kernels._enabled:                                         # inside cpu_kernels.reference_path()
+        return False
+    dtype = model.embed.weight.dtype
+    layers = [(b.attn.wq, b.attn.wk, b.attn.wv, b.attn.wo, b.ffn.w_gate, b.ffn.w_up, b.ffn.w_down)
+              for b in model.layers]
+    if model.embed.weight.device.type != "cpu" or not all(type(m) is QuantLinear for ls in layers for m in ls):
+        return False
+    source = (dtype, tuple((id(m), *((t.data_ptr(), t._version) for t in m._buffers.values()))
+                           for ls in layers for m in ls))
+    cached = getattr(model, "_quantized_step", None)
+    if cached is None or cached[0] != source:
+        weights = []
+        for block, (wq, wk, wv, wo, w_gate, w_up, w_down) in zip(model.layers, layers):
+            packs = (cpu_kernels.fused_pack([wq, wk, wv], dtype), cpu_kernels.fused_pack([wo], dtype),
+                     cpu_kernels.fused_pack([w_gate, w_up], dtype), cpu_kernels.fused_pack([w_down], dtype))
+            if any(p is None for p in packs):
+                weights = None
+                break
+            weights.append((block.attn_norm.weight.detach(), packs[0], packs[1], block.ffn_norm.weight.detach(),
+                            packs[2], packs[3]))
+        model._quantized_step = cached = (source, weights)
+    model._decode_weights = cached[1]
+    return cached[1] is not None
 
 
 def _fuse(linears: list[nn.Linear]) -> nn.Linear:
@@ -218,6 +261,23 @@ def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
 
 
+def _project(w, x: torch.Tensor) -> torch.Tensor:
+    """w @ x for x (in,) -> (out,): a float weight (out, in) by the row-wise dot, or a packed one
+    (weight, scale, group) by its int8/int4 kernel (item 8)."""
+    if isinstance(w, tuple):
+        from .quant.cpu_kernels import packed_mm
+        return packed_mm(x[None], *w)[0]
+    return _rowwise_dot(w, x)
+
+
+def _project_rows(x: torch.Tensor, w) -> torch.Tensor:
+    """x (T, in) @ w^T -> (T, out), float or packed as in _project."""
+    if isinstance(w, tuple):
+        from .quant.cpu_kernels import packed_mm
+        return packed_mm(x, *w)
+    return x @ w.t()
+
+
 def decode_layer(h: torch.Tensor, attn_norm: torch.Tensor, wqkv: torch.Tensor, wo: torch.Tensor,
                  ffn_norm: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, cos_sin: torch.Tensor,
@@ -230,7 +290,7 @@ def decode_layer(h: torch.Tensor, attn_norm: torch.Tensor, wqkv: torch.Tensor, w
     Hkv, _, D = k_cache.shape
     Hq = n_heads
     x = F.rms_norm(h, attn_norm.shape, attn_norm, eps)                    # (dim,)
-    qk, v = _rowwise_dot(wqkv, x).split([(Hq + Hkv) * D, Hkv * D])       # ((Hq+Hkv)*D,), (Hkv*D,)
+    qk, v = _project(wqkv, x).split([(Hq + Hkv) * D, Hkv * D])           # ((Hq+Hkv)*D,), (Hkv*D,)
     cos, sin = cos_sin.unbind(-1)                                         # (D/2,) each
     qk = apply_rope(qk.view(Hq + Hkv, D), cos, sin)                       # (Hq+Hkv, D)
     q, k = qk.split([Hq, Hkv])                                            # (Hq, D), (Hkv, D)
@@ -241,9 +301,9 @@ def decode_layer(h: torch.Tensor, attn_norm: torch.Tensor, wqkv: torch.Tensor, w
     q = q.float().view(Hkv, Hq // Hkv, D)                                 # (Hkv, G, D): GQA, K/V not copied
     scores = (q[:, :, None] * keys[:, None]).sum(-1) * D ** -0.5          # (Hkv, G, L)
     out = (scores.softmax(-1)[..., None] * values[:, None]).sum(-2)       # (Hkv, G, D)
-    h = h + _rowwise_dot(wo, out.reshape(Hq * D).to(h.dtype))
-    gate, up = _rowwise_dot(w_gate_up, F.rms_norm(h, ffn_norm.shape, ffn_norm, eps)).chunk(2)  # (ffn,) each
-    return h + _rowwise_dot(w_down, F.silu(gate) * up)
+    h = h + _project(wo, out.reshape(Hq * D).to(h.dtype))
+    gate, up = _project(w_gate_up, F.rms_norm(h, ffn_norm.shape, ffn_norm, eps)).chunk(2)  # (ffn,) each
+    return h + _project(w_down, F.silu(gate) * up)
 
 
 # All layers have the same shapes, so one compiled step serves the 30 layers; pos changes at the
@@ -294,7 +354,7 @@ def verify_layer(h: torch.Tensor, attn_norm: torch.Tensor, wqkv: torch.Tensor, w
     Hq = n_heads
     G = Hq // Hkv
     x = F.rms_norm(h, attn_norm.shape, attn_norm, eps)                    # (T, dim)
-    qk, v = (x @ wqkv.t()).split([(Hq + Hkv) * D, Hkv * D], dim=-1)      # (T, (Hq+Hkv)*D), (T, Hkv*D)
+    qk, v = _project_rows(x, wqkv).split([(Hq + Hkv) * D, Hkv * D], dim=-1)  # (T, (Hq+Hkv)*D), (T, Hkv*D)
     cos, sin = cos_sin[:, None].unbind(-1)                                # (T, 1, D/2) each: one per position
     qk = apply_rope(qk.view(T, Hq + Hkv, D), cos, sin)                    # (T, Hq+Hkv, D)
     q, k = qk.split([Hq, Hkv], dim=1)                                     # (T, Hq, D), (T, Hkv, D)
@@ -310,9 +370,9 @@ def verify_layer(h: torch.Tensor, attn_norm: torch.Tensor, wqkv: torch.Tensor, w
     visible = torch.arange(L, device=h.device) <= query_pos[:, None]      # (T, L) causal
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)       # (Hkv, G, T, L)
     out = (probs.view(Hkv, G * T, L) @ values).view(Hkv, G, T, D)         # (Hkv, G, T, D)
-    h = h + out.permute(2, 0, 1, 3).reshape(T, Hq * D).to(h.dtype) @ wo.t()
-    gate, up = (F.rms_norm(h, ffn_norm.shape, ffn_norm, eps) @ w_gate_up.t()).chunk(2, dim=-1)  # (T, ffn) each
-    return h + (F.silu(gate) * up) @ w_down.t()
+    h = h + _project_rows(out.permute(2, 0, 1, 3).reshape(T, Hq * D).to(h.dtype), wo)
+    gate, up = _project_rows(F.rms_norm(h, ffn_norm.shape, ffn_norm, eps), w_gate_up).chunk(2, dim=-1)  # (T, ffn) each
+    return h + _project_rows(F.silu(gate) * up, w_down)
 
 
 # T and the cache length are marked dynamic (forward_verify) and pos becomes symbolic at the second
@@ -351,6 +411,22 @@ def forward_verify(model: Llama, tokens: torch.Tensor, cache: KVCache, rope: Rop
                           cfg.n_heads, cfg.norm_eps)
     cache.lengths[0] = start + T
     return model.logits(h)                                                # (T, V)
+
+
+@torch.no_grad()
+def forward_quantized(model: Llama, tokens: torch.Tensor, cache: KVCache, rope: RopeTable) -> torch.Tensor:
+    """Batch 1 on a quantised model that passed quantized_step_ready (item 8): a decode token by the
+    compiled decode step over the packed weights, a prompt by kv_cache.forward_cached (its
+    QuantLinears pick their kernel or the reference path). tokens (1, T) -> logits (1, V)."""
+    if tokens.shape[0] != 1:
+        raise ValueError("forward_quantized is the batch-1 path; use kv_cache.forward_cached for batches")
+    if tokens.shape[1] == 1 and can_compile_step(model, tokens.device):
+        start = int(cache.lengths[0])
+        if start + 1 > cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} positions; this step needs {start + 1}")
+        return _decode_compiled(model, tokens, cache, rope, start)
+    from .kv_cache import forward_cached
+    return forward_cached(model, tokens, cache)
 
 
 @torch.no_grad()

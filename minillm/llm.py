@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from .fast_decode import forward_fast, fuse_projections, is_fused
+from .fast_decode import forward_fast, forward_quantized, fuse_projections, is_fused, quantized_step_ready
 from .kv_cache import KVCache, forward_cached
 from .block_manager import check_prefix_cache
 from .engine import Engine, check_engine_args
@@ -25,6 +25,7 @@ from .loader import load_model, resolve_device
 from .model import check_attention_backend
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .positions import RopeTable
+from .quant.linear import QuantLinear
 from .request import Request
 from .sampling import SamplingParams, make_generator, sample
 
@@ -86,7 +87,7 @@ class LLM:
         self.max_model_len = max_model_len
         if quantization is not None:
             self._quantize(quantization)
-        else:
+        elif not any(isinstance(m, QuantLinear) for m in self.model.modules()):   # a model quantised already
             fuse_projections(self.model)      # views: the baseline modules see the same weights
         self.rope = RopeTable(self.config.head_dim, self.config.rope_theta, max_model_len, self.device)
         self.engine_args = dict(block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
@@ -129,11 +130,13 @@ class LLM:
 
     def _quantize(self, method: str) -> None:
         """Weight-only quantisation of every linear layer (lesson 04); GPTQ and AWQ calibrate on
-        evaluate.calibration_text(), which the perplexity evaluation never sees."""
+        evaluate.calibration_text(), which the perplexity evaluation never sees. On a CPU the LM head
+        gets an int8 copy too (quant.quantize_lm_head): torch's int8 kernel reads it at batch 1, where
+        the full-precision head would be the largest read of every decode step."""
         from .quant import calibration_windows, quantize_model
 
         ids = calibration_windows(self.tokenizer) if method in ("gptq", "awq") else None
-        quantize_model(self.model, method, calibration_ids=ids)
+        quantize_model(self.model, method, calibration_ids=ids, lm_head="int8" if self.device.type == "cpu" else None)
 
     @property
     def config(self):
@@ -291,9 +294,12 @@ class LLM:
             return
         room = min(self.max_model_len, len(req.prompt_token_ids) + req.params.max_tokens)
         cache = KVCache(self.config, 1, room, self.model.embed.weight.dtype, self.device)
-        fast = is_fused(self.model)
-        step = (lambda t: forward_fast(self.model, t, cache, self.rope, self.attention_backend)) if fast else \
-               (lambda t: forward_cached(self.model, t, cache))
+        if is_fused(self.model):
+            step = lambda t: forward_fast(self.model, t, cache, self.rope, self.attention_backend)  # noqa: E731
+        elif quantized_step_ready(self.model):
+            step = lambda t: forward_quantized(self.model, t, cache, self.rope)  # noqa: E731
+        else:
+            step = lambda t: forward_cached(self.model, t, cache)  # noqa: E731
         prompt = torch.tensor([req.prompt_token_ids], device=self.device)     # (1, T)
         if req.params.prompt_logprobs is not None:
             logits = forward_cached(self.model, prompt, cache, all_logits=True)[0]  # (T, V)

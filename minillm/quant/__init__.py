@@ -8,7 +8,8 @@
 
 Every nn.Linear inside model.layers becomes a QuantLinear (minillm/quant/linear.py). The tied
 embedding / LM head (49152 x 576, a fifth of SmolLM2's parameters) stays in full precision, as
-in GPTQ's and AWQ's reference code. save_quantized / load_quantized store the result as
+in GPTQ's and AWQ's reference code, unless lm_head="int8" (what LLM does on a CPU): then the head
+reads an int8 copy of its own. save_quantized / load_quantized store the result as
 safetensors, so calibration runs once.
 """
 from __future__ import annotations
@@ -84,17 +85,26 @@ def _check_args(model, method, bits, group_size, calibration_ids):
                          f"e.g. quant.calibration_windows(tokenizer)")
 
 
+LM_HEAD_FORMATS = (None, "int8")
+
+
 @torch.no_grad()
 def quantize_model(model, method: str, *, bits: int = 4, group_size: int = 128, symmetric: bool = False,
-                   double_quant: bool = False, calibration_ids=None, **kw):
+                   double_quant: bool = False, calibration_ids=None, lm_head: str | None = None, **kw):
     """Replace every nn.Linear in model.layers by a QuantLinear, in place; returns the model.
 
     bits, group_size, symmetric: for int4 (RTN), gptq and awq (bits 3 or 4).
     double_quant, block_size (kw, default 64): for nf4.
     calibration_ids: (N, T) token ids for gptq / awq; kw go to gptq.quantize_model_gptq /
-    awq.quantize_model_awq (e.g. act_order, blocksize, damp; n_grid)."""
+    awq.quantize_model_awq (e.g. act_order, blocksize, damp; n_grid).
+    lm_head: None keeps the LM head in full precision; "int8" gives it an int8 copy of its own
+    (quantize_lm_head)."""
     _check_args(model, method, bits, group_size, calibration_ids)
+    if lm_head not in LM_HEAD_FORMATS:
+        raise ValueError(f"lm_head = {lm_head!r}; allowed: None (full precision) or 'int8'")
     drop_fused_projections(model)
+    if lm_head == "int8":
+        quantize_lm_head(model)
     if method == "gptq":
         from .gptq import quantize_model_gptq
         return quantize_model_gptq(model, as_ids(calibration_ids, model), bits=bits, group_size=group_size,
@@ -107,6 +117,20 @@ def quantize_model(model, method: str, *, bits: int = 4, group_size: int = 128, 
         replace_module(model, name, quantize_linear(linear, method, bits=bits, group_size=group_size,
                                                     symmetric=symmetric, double_quant=double_quant, **kw))
     return model
+
+
+def quantize_lm_head(model) -> None:
+    """The LM head as an int8 QuantLinear (per-row absmax). With tied embeddings (SmolLM2) the head
+    is the embedding matrix, a fifth of the parameters and the largest single read of a decode step;
+    the embedding lookup keeps the full-precision matrix (one row per token: no bandwidth to save),
+    the head reads the int8 copy. llama.cpp's 4-bit files likewise keep the output matrix at 6-8 bits."""
+    if isinstance(model.lm_head, QuantLinear):
+        return
+    head = model.lm_head
+    if head is None:                                                       # tied: the embedding's matrix
+        head = nn.Linear(model.cfg.dim, model.cfg.vocab_size, bias=False, device="meta")
+        head.weight = nn.Parameter(model.embed.weight.detach(), requires_grad=False)
+    model.lm_head = quantize_linear(head, "int8")
 
 
 def as_ids(calibration_ids, model) -> torch.Tensor:

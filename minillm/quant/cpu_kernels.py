@@ -159,3 +159,36 @@ def packed_linear(x: torch.Tensor, layer) -> torch.Tensor:
         y = y + p.bias
     return y.view(*x.shape[:-1], layer.out_features)
 
+
+
+# ---- fused packs for the compiled decode step (minillm/fast_decode.py, item 8) --------------------
+
+def fused_pack(layers: list, dtype: torch.dtype) -> tuple | None:
+    """Layers that read the same input (wq, wk, wv; w_gate, w_up) as ONE kernel call: their packs
+    stacked along the output dimension, as (weight, scale, group, perm) for packed_mm. GPTQ's act-order
+    permutation comes from the input's statistics, so layers sharing an input share it. None where a
+    layer has no kernel (NF4, shapes) or a bias, or the layers' formats or permutations differ."""
+    first = layers[0]
+    if any(l.cpu_unsupported is not None or l.bias is not None or l.fmt != first.fmt or l.params != first.params
+           or l.in_features != first.in_features for l in layers):
+        return None
+    packs = [packed(l, dtype) for l in layers]
+    perm = packs[0].perm
+    if any((p.perm is None) != (perm is None) or (perm is not None and not torch.equal(p.perm, perm)) for p in packs):
+        return None
+    if first.fmt == "int8":
+        return torch.cat([p.weight for p in packs]), torch.cat([p.scale for p in packs]), 0, perm
+    codes = torch.cat([int4.unpack(l.packed, l.params["bits"]) for l in layers])   # (sum out, in) uint8
+    weight = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)  # (sum out, in/2) tiled
+    return weight, torch.cat([p.scale for p in packs], dim=1), packs[0].group, perm  # scale: (in/g, sum out, 2)
+
+
+def packed_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int,
+              perm: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, in) @ the packed weight -> (M, out): group 0 is int8, else int4 with that group size;
+    perm: the codes' column order (GPTQ act-order), applied to x."""
+    if perm is not None:
+        x = x[:, perm]                                                   # (M, in) in the codes' order
+    if group:
+        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), weight, group, scale)
+    return torch._weight_int8pack_mm(x.contiguous(), weight, scale)
