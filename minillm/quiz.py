@@ -1,10 +1,11 @@
 """Interview drill: `python -m minillm quiz [--lesson N] [--seed S] [--lang en|zh]`.
 
 The questions live in one data file, minillm/quiz_bank.toml: every interview question of the source
-article (its Chinese beside an English rendering) and its pitfalls, the questions the lessons add, and
-every lesson's practice problems. Each has a short answer, the lesson section that answers it in full,
-and, for numeric answers, the expression behind each number. The expressions are evaluated when the
-answer is shown, so an answer cannot go stale:
+article and its pitfalls, the questions the lessons add, and every lesson's practice problems, each in
+English and Chinese (`zh`, `answer_zh`; `--lang zh` asks and answers in Chinese and points to the Chinese
+lesson, lessons/zh/, whose sections run parallel to the English ones). Each has a short answer, the lesson
+section that answers it in full, and, for numeric answers, the expression behind each number. The
+expressions are evaluated when the answer is shown, so an answer cannot go stale:
 
     counted   module + expr    a Python expression in a module of this package (the same expressions
                                as the lessons' footnotes: `counted by minillm.X: expr`)
@@ -28,8 +29,11 @@ REPO = Path(__file__).resolve().parent.parent
 BANK = Path(__file__).resolve().parent / "quiz_bank.toml"
 KINDS = ("article", "pitfall", "lesson", "practice")    # the article's questions, its 陷阱, a lesson's own, drills
 REQUIRED = ("id", "lesson", "section", "kind", "en", "answer")
-NO_CHINESE = ("(no Chinese text for this question: the bank has the article's Chinese for its own questions, "
-              "and the Chinese edition of the lessons, lessons/zh/, does not exist yet)")
+WORDS = {"en": {"answer": "Answer: ", "more": "Read more: ", "wait": "  (Enter: the answer, q and Enter: quit)",
+                "lesson": "lesson {n:02d}", "kind": "{kind} question"},
+         "zh": {"answer": "答案：", "more": "延伸阅读：", "wait": "  （回车看答案，输入 q 回车退出）",
+                "lesson": "第 {n:02d} 课", "kind": "{kind}"}}
+KIND_ZH = {"article": "原文面试题", "pitfall": "原文陷阱", "lesson": "课程追问", "practice": "练习"}
 
 
 class BankError(ValueError):
@@ -70,10 +74,11 @@ def check_question(q: dict) -> None:
             raise BankError(f"{where}: a number needs name, expr and exactly one of module (counted) or results "
                             f"(measured), got {sorted(n)}")
         names.add(n["name"])
-    unknown = set(re.findall(r"\{(\w+)\}", q["answer"])) - names
-    if unknown:
-        raise BankError(f"{where}'s answer uses {{{'}, {'.join(sorted(unknown))}}} but its numbers are "
-                        f"{sorted(names) or 'none'}; allowed: the names of its [[question.numbers]]")
+    for field in ("answer", "answer_zh"):
+        unknown = set(re.findall(r"\{(\w+)\}", q.get(field, ""))) - names
+        if unknown:
+            raise BankError(f"{where}'s {field} uses {{{'}, {'.join(sorted(unknown))}}} but its numbers are "
+                            f"{sorted(names) or 'none'}; allowed: the names of its [[question.numbers]]")
 
 
 def lesson_path(lesson: int) -> Path:
@@ -89,13 +94,29 @@ def lesson_numbers() -> list[int]:
 
 def lesson_anchors(lesson: int) -> set[str]:
     """The anchors GitHub gives the lesson's headings (outside code blocks)."""
-    anchors, fenced = set(), False
-    for line in lesson_path(lesson).read_text().splitlines():
+    return set(heading_anchors(lesson_path(lesson)))
+
+
+def heading_anchors(path: Path) -> list[str]:
+    anchors, fenced = [], False
+    for line in path.read_text().splitlines():
         if line.startswith("```"):
             fenced = not fenced
         elif not fenced and re.match(r"#{1,6} ", line):
-            anchors.add(github_anchor(line.lstrip("#")))
+            anchors.append(github_anchor(line.lstrip("#")))
     return anchors
+
+
+def read_more(q: dict, lang: str) -> str:
+    """Where the answer is in full: the English section, or the Chinese twin's section at the same place."""
+    path = lesson_path(q["lesson"])
+    if lang == "zh":
+        zh = path.parent / "zh" / path.name
+        if not zh.exists():
+            raise BankError(f"lesson {q['lesson']} has no Chinese edition {zh.relative_to(REPO)}; allowed: --lang en")
+        anchor = heading_anchors(zh)[heading_anchors(path).index(q["section"])]
+        return f"{zh.relative_to(REPO)}#{anchor}"
+    return f"{path.relative_to(REPO)}#{q['section']}"
 
 
 def github_anchor(heading: str) -> str:
@@ -120,9 +141,10 @@ def source(number: dict) -> str:
     return f"measured in {number['results']}: {number['expr']}"
 
 
-def shown(q: dict) -> tuple[str, list[str]]:
+def shown(q: dict, lang: str = "en") -> tuple[str, list[str]]:
     """The answer with its numbers filled in, and one line per number saying where it comes from."""
     values, lines = {}, []
+    label = "label_zh" if lang == "zh" else "label"
     for n in q.get("numbers", []):
         try:
             value = evaluate(n)
@@ -131,8 +153,8 @@ def shown(q: dict) -> tuple[str, list[str]]:
                             f"{type(e).__name__}: {e}; fix the expression in the question bank") from None
         text = f"{value:{n.get('fmt', ',.4g')}}" + (f" {n['unit']}" if n.get("unit") else "")
         values[n["name"]] = text
-        lines.append(f"{n.get('label', n['name'])}: {text}  ({source(n)})")
-    answer = re.sub(r"\{(\w+)\}", lambda m: values[m.group(1)], q["answer"])
+        lines.append(f"{n.get(label, n.get('label', n['name']))}: {text}  ({source(n)})")
+    answer = re.sub(r"\{(\w+)\}", lambda m: values[m.group(1)], q["answer_zh" if lang == "zh" else "answer"])
     return answer, lines
 
 
@@ -153,8 +175,12 @@ def select(bank: list[dict], lesson: int | None = None, seed: int | None = None)
 
 def question_text(q: dict, lang: str) -> str:
     if lang == "zh":
-        return q["zh"] if q.get("zh") else f"{NO_CHINESE}\n{q['en']}"
-    return q["en"] + (f"\n({q['zh']})" if q.get("zh") else "")
+        missing = [f for f in ("zh", "answer_zh") if not q.get(f)]
+        if missing:
+            raise BankError(f"question {q['id']!r} has no {' or '.join(missing)}; allowed: --lang en, or add the "
+                            "Chinese question (zh) and answer (answer_zh) to the bank")
+        return q["zh"]
+    return q["en"] + (f"\n({q['zh']})" if q.get("zh") and q["kind"] != "practice" else "")
 
 
 def run(lesson: int | None = None, seed: int | None = None, lang: str = "en", bank: Path | str = BANK,
@@ -164,23 +190,26 @@ def run(lesson: int | None = None, seed: int | None = None, lang: str = "en", ba
     if lang not in ("en", "zh"):
         raise BankError(f"lang {lang!r} is not available; allowed: en, zh")
     questions = select(load_bank(bank), lesson, seed)
+    words = WORDS[lang]
     waiting = True
     for i, q in enumerate(questions, 1):
-        label = f"{q['id']}" if q["kind"] == "practice" else f"{q['kind']} question"
-        out(f"\n[{i}/{len(questions)}] lesson {q['lesson']:02d} · {label}")
-        out(_wrap_text(question_text(q, lang)))
+        kind = KIND_ZH[q["kind"]] if lang == "zh" else q["kind"]
+        label = f"{q['id']}" if q["kind"] == "practice" else words["kind"].format(kind=kind)
+        text = question_text(q, lang)
+        out(f"\n[{i}/{len(questions)}] {words['lesson'].format(n=q['lesson'])} · {label}")
+        out(_wrap_text(text))
         if waiting:
             try:
-                out("  (Enter: the answer, q and Enter: quit)")
+                out(words["wait"])
                 if ask("").strip().lower() == "q":
                     return i - 1
             except EOFError:
                 waiting = False
-        answer, numbers = shown(q)
-        out(_wrap_text(f"Answer: {answer}"))
+        answer, numbers = shown(q, lang)
+        out(_wrap_text(words["answer"] + answer))
         for line in numbers:
             out(f"  {line}")
-        out(f"Read more: {lesson_path(q['lesson']).relative_to(REPO)}#{q['section']}")
+        out(words["more"] + read_more(q, lang))
     return len(questions)
 
 

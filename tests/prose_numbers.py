@@ -23,6 +23,11 @@ beyond its presence: its figures are copied from the source by hand.
 
 Run `python tests/prose_numbers.py [FILE...]` to list every problem (default: README, lessons,
 notebooks); tests/test_lessons.py runs the same check.
+
+The Chinese edition (README.zh.md, lessons/zh/) is checked the same way, and each Chinese file must quote
+what its English twin quotes: the same footnote definitions, and at each footnote reference the same figures
+(`twin_problems`). Numbers keep their English form in Chinese prose (3.6x, 57 tok/s, 538 MB); Chinese
+characters next to a number are prose, and 约 / 大约 mark an approximate figure as ~ does.
 """
 from __future__ import annotations
 
@@ -40,8 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 UNITS = ("tok/s/request", "tok/s", "tokens/s", "token/s", "req/s", "GB/s", "TB/s", "MB/s", "GFLOP/s",
          "TFLOP/s", "PFLOP/s", "FLOP/s", "FLOP/byte", "FLOPs", "ms", "µs", "us", "ns", "s", "min",
          "GiB", "MiB", "KiB", "GB", "MB", "KB", "TB", "kB", "%", "x", "×", "points", "GHz")
-CONNECTOR = re.compile(r"^\s*(?:/|vs\.?|-|–|to|and|or|,)\s*$")
-APPROX = re.compile(r"(?:~|≈|about |roughly |around )\s*$")
+CONNECTOR = re.compile(r"^\s*(?:/|vs\.?|-|–|to|and|or|,|、|，|和|与|或|到|至|对)\s*$")
+APPROX = re.compile(r"(?:~|≈|about |roughly |around |大约|约)\s*$")
 NUMBER = re.compile(r"[-+−]?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?")
 FOOTNOTE_REF = re.compile(r"\[\^([\w.-]+)\]")   # definitions are taken out of the blocks first
 FOOTNOTE_DEF = re.compile(r"^\s*\[\^([\w.-]+)\]:\s*(.*)$")
@@ -51,6 +56,11 @@ CITATION = re.compile(r"https?://|arXiv|\b(?:paper|README|datasheet|Table|Sectio
 PLAIN_CONSTANTS = {576, 1536, 49152, 3072, 1000, 10000, 100000, 200, 400, 401, 403, 404, 413, 422, 429, 500, 503, 8000, 8080}
 # Definitions and the machine's description, not results: a multiply-add is 2 FLOPs; the VMs have 24 GiB.
 PLAIN_PHRASES = {"2 FLOPs", "24 GiB"}
+
+
+def cjk(ch: str) -> bool:
+    """A Chinese character or full-width punctuation: prose around a number, not part of a name."""
+    return bool(ch) and ("\u3000" <= ch <= "\u9fff" or "\uff00" <= ch <= "\uffef")
 
 
 @dataclass
@@ -195,7 +205,7 @@ def unit_after(text: str, end: int) -> str:
     for u in UNITS:
         if rest.startswith(u):
             after = rest[len(u):len(u) + 1]
-            if not after or not (after.isalnum() or after == "_"):
+            if not after or cjk(after) or not (after.isalnum() or after == "_"):
                 if gap and u in ("x", "×"):
                     continue                                    # "3 x 64": a product, not a ratio
                 return u
@@ -204,7 +214,7 @@ def unit_after(text: str, end: int) -> str:
 
 VERSIONISH = re.compile(r"(?:(?i:torch|pytorch|triton|python|transformers|cuda|version)|Llama|LLaMA|Llama-|FA|"
                         r"FlashAttention-?|Section|section|§|Table|table|Figure|Fig\.|Eq\.|eq\.|step|Step|issue|"
-                        r"Issue|item|Item|lesson|Lesson|stop|PEP|sm_|compute capability|llama\.cpp b|arXiv:?)\s*$")
+                        r"Issue|item|Item|lesson|Lesson|stop|PEP|sm_|compute capability|llama\.cpp b|arXiv:?|第|图|表)\s*$")
 
 
 @dataclass
@@ -227,7 +237,7 @@ def _numbers(text: str) -> list[_Number]:
         if tok[0] in "-+−" and s and text[s - 1] not in " (|[/\t":
             s, tok = s + 1, tok[1:]                             # "3.6-26": a range, not a minus sign
         left = text[s - 1] if s else " "
-        if left.isalnum() or left in "_.^#$\\":
+        if (left.isalnum() and not cjk(left)) or left in "_.^#$\\":
             continue
         if left in "-–/" and s >= 2 and text[s - 2].isalpha():
             continue                                            # AVX-512, Llama-2, w/2
@@ -235,7 +245,7 @@ def _numbers(text: str) -> list[_Number]:
             continue                                            # 1e-3: a tolerance or a unit, not a result
         unit = unit_after(text, e)
         right = text[e:e + 1]
-        if not unit and right and (right.isalpha() or right in "_³²"):
+        if not unit and right and ((right.isalpha() and not cjk(right)) or right in "_³²"):
             continue                                            # 70B, 4K, 1st, 2048³
         if right == "." and text[e + 1:e + 2].isdigit():
             continue                                            # 1.2.3 version strings
@@ -349,8 +359,66 @@ def check_footnote(doc: Doc, note: Footnote, covered: list[Figure], line: int) -
 
 
 def prose_files() -> list[Path]:
-    return ([ROOT / "README.md"] + sorted((ROOT / "lessons").glob("*.md"))
-            + sorted((ROOT / "lessons").glob("*/*.md")) + sorted((ROOT / "notebooks").glob("*.ipynb")))
+    readmes = [ROOT / "README.md"] + ([ROOT / "README.zh.md"] if (ROOT / "README.zh.md").exists() else [])
+    return (readmes + sorted((ROOT / "lessons").glob("*.md")) + sorted((ROOT / "lessons").glob("*/*.md"))
+            + sorted((ROOT / "lessons").glob("zh/*/*.md")) + sorted((ROOT / "notebooks").glob("*.ipynb")))
+
+
+# ------------------------------------------------------------------------------- the Chinese twins
+
+ZH = ROOT / "lessons" / "zh"
+
+
+def twins() -> list[tuple[Path, Path]]:
+    """(English, Chinese) pairs: README.zh.md, lessons/zh/NN-topic.md, lessons/zh/labs/*.md. The Chinese
+    file need not exist: a missing twin is a problem the tests report."""
+    english = ([ROOT / "README.md"] + sorted((ROOT / "lessons").glob("[0-9][0-9]-*.md"))
+               + sorted((ROOT / "lessons" / "labs").glob("*.md")))
+    return [(en, ROOT / "README.zh.md" if en.name == "README.md" and en.parent == ROOT
+             else ZH / en.relative_to(ROOT / "lessons")) for en in english]
+
+
+def quoted(path: Path) -> list[tuple[str, tuple[tuple[float, int], ...]]]:
+    """Every footnote reference of a file with the figures it covers, as (key, ((value, decimals), ...)),
+    in file order: what the file quotes, independent of the language around the numbers."""
+    docs = markdown_docs(path)
+    out = []
+    for doc in docs:
+        for block in blocks(doc)[0]:
+            text = "\n".join(t for _, t in block)
+            refs = [(m.start(), m.group(1)) for m in FOOTNOTE_REF.finditer(text)]
+            figs = figures(scrub(FOOTNOTE_REF.sub(lambda m: " " * len(m.group(0)), text)), lambda pos: 0)
+            prev = -1
+            for pos, key in refs:
+                out.append((key, tuple((f.value, f.decimals) for f in figs if prev < f.start < pos)))
+                prev = pos
+    return out
+
+
+def twin_problems(en: Path, zh: Path) -> list[str]:
+    """The Chinese twin quotes the same numbers under the same footnotes as the English file."""
+    rel = lambda p: str(p.relative_to(ROOT))  # noqa: E731
+    if not zh.exists():
+        return [f"{rel(en)} has no Chinese twin {rel(zh)}"]
+    problems = []
+    en_notes = {n.key: n for d in markdown_docs(en) for n in blocks(d)[1]}
+    zh_notes = {n.key: n for d in markdown_docs(zh) for n in blocks(d)[1]}
+    for key in sorted(en_notes.keys() ^ zh_notes.keys()):
+        where = rel(en) if key in en_notes else rel(zh)
+        problems.append(f"[^{key}] is defined only in {where}")
+    for key in sorted(en_notes.keys() & zh_notes.keys()):
+        a, b = en_notes[key], zh_notes[key]
+        if (a.kind, a.source if a.kind != "published" else "", a.exprs) != \
+                (b.kind, b.source if b.kind != "published" else "", b.exprs):
+            problems.append(f"[^{key}] says {b.raw!r} in {rel(zh)} but {a.raw!r} in {rel(en)}")
+    from collections import Counter
+    en_q, zh_q = Counter(quoted(en)), Counter(quoted(zh))
+    show = lambda vals: ", ".join(f"{v:.{max(d, 0)}f}" for v, d in vals) or "no figure"  # noqa: E731
+    for (key, vals), n in sorted((en_q - zh_q).items()):
+        problems.append(f"{rel(en)} quotes {show(vals)} at [^{key}] ({n}x) and {rel(zh)} does not")
+    for (key, vals), n in sorted((zh_q - en_q).items()):
+        problems.append(f"{rel(zh)} quotes {show(vals)} at [^{key}] ({n}x) and {rel(en)} does not")
+    return problems
 
 
 def check_file(path: Path) -> list[Problem]:
@@ -370,6 +438,8 @@ def check_file(path: Path) -> list[Problem]:
 def main(argv: list[str]) -> int:
     paths = [Path(a).resolve() for a in argv] or prose_files()
     problems = [p for path in paths for p in check_file(path)]
+    english_of = {zh: en for en, zh in twins()}
+    problems += [p for path in paths if path in english_of for p in twin_problems(english_of[path], path)]
     for p in problems:
         print(p)
     print(f"{len(problems)} problem(s) in {len(paths)} file(s)")

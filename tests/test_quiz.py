@@ -13,8 +13,8 @@ import textwrap
 import pytest
 
 from minillm.__main__ import main
-from minillm.quiz import (KINDS, NO_CHINESE, REPO, REQUIRED, BankError, lesson_anchors, lesson_path, load_bank, run,
-                          select, shown)
+from minillm.quiz import (KINDS, REPO, REQUIRED, BankError, heading_anchors, lesson_anchors, lesson_path, load_bank,
+                          run, select, shown)
 
 BANK = load_bank()
 
@@ -97,11 +97,42 @@ def test_end_of_input_stops_waiting_and_q_quits():
     assert run(lesson=1, ask=lambda prompt="": "q", out=printed.append) == 0
 
 
-def test_chinese_where_the_article_has_it_and_a_clear_note_where_not():
-    printed = "\n".join(drill(lesson=8, lang="zh"))
-    assert "Speculative Decoding 为什么不会损失精度？" in printed
-    assert NO_CHINESE.split(":")[0] in printed                               # the practice problems
-    assert "Expected tokens per verification step" in printed                # shown in English instead
+def test_every_question_and_answer_is_in_chinese_too_with_the_same_numbers():
+    for q in BANK:
+        assert re.search(r"[\u4e00-\u9fff]", q.get("zh", "")), f"{q['id']} has no Chinese question"
+        assert re.search(r"[\u4e00-\u9fff]", q.get("answer_zh", "")), f"{q['id']} has no Chinese answer"
+        names = lambda text: sorted(re.findall(r"\{(\w+)\}", text))  # noqa: E731
+        assert names(q["answer_zh"]) == names(q["answer"]), q["id"]
+        for n in q.get("numbers", []):
+            assert re.search(r"[\u4e00-\u9fff]", n.get("label_zh", "")), f"{q['id']}: {n['name']} has no label_zh"
+
+
+def test_quiz_in_chinese_asks_answers_and_points_to_the_chinese_lesson():
+    done = subprocess.run([sys.executable, "-m", "minillm", "quiz", "--lang", "zh", "--lesson", "2", "--seed", "0"],
+                          cwd=REPO, input="\n" * 40, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lesson2 = [q for q in BANK if q["lesson"] == 2]
+    assert done.stdout.count("答案：") == len(lesson2) and "Answer:" not in done.stdout
+    flat = "".join(done.stdout.split())
+    zh_anchors = set(heading_anchors(REPO / "lessons" / "zh" / lesson_path(2).name))
+    for q in lesson2:
+        assert "".join(q["zh"].split())[:40] in flat
+        assert "".join(shown(q, "zh")[0].split())[:40] in flat
+    links = re.findall(r"延伸阅读：lessons/zh/02-kv-cache\.md#(\S+)", done.stdout)
+    assert len(links) == len(lesson2) and set(links) <= zh_anchors
+
+
+def test_the_chinese_lessons_print_the_same_practice_problems_as_the_bank():
+    for lesson in range(1, 10):
+        text = (REPO / "lessons" / "zh" / lesson_path(lesson).name).read_text()
+        practice = text.split("\n## 练习\n", 1)[1].split("\n## ", 1)[0]
+        printed = re.findall(r"^\*\*(Q\d+\.\d+) ", practice, flags=re.M)
+        assert printed == [q["id"] for q in BANK if q["kind"] == "practice" and q["lesson"] == lesson]
+
+
+def test_a_question_without_chinese_is_refused_in_chinese_with_what_is_allowed(tmp_path):
+    with pytest.raises(BankError, match=re.escape("question 'broken' has no zh or answer_zh; allowed: --lang en")):
+        run(bank=write_bank(tmp_path, ENTRY), lang="zh", ask=ask_nothing, out=lambda s: None)
 
 
 def test_bad_lesson_and_bad_language_are_refused_with_what_is_allowed(capsys):
