@@ -68,14 +68,21 @@ def fuse_projections(model: Llama) -> Llama:
     """Add attn.wqkv and ffn.w_gate_up (in place); wq/wk/wv/w_gate/w_up become views of them."""
     for layer in model.layers:
         attn, ffn = layer.attn, layer.ffn
-        if hasattr(attn, "wqkv"):
-            continue
+        if hasattr(attn, "wqkv") and _backs(attn.wqkv, (attn.wq, attn.wk, attn.wv)) \
+                and _backs(ffn.w_gate_up, (ffn.w_gate, ffn.w_up)):
+            continue                     # fused already (a deepcopy, in contrast, leaves stale copies: fuse again)
         if not all(type(m) is nn.Linear for m in (attn.wq, attn.wk, attn.wv, ffn.w_gate, ffn.w_up)):
             raise ValueError("fuse_projections needs plain nn.Linear projections (not quantised ones)")
         attn.wqkv = _fuse([attn.wq, attn.wk, attn.wv])
         ffn.w_gate_up = _fuse([ffn.w_gate, ffn.w_up])
     is_fused(model)                                                       # takes the decode-weights snapshot
     return model
+
+
+def _backs(fused: nn.Module, parts) -> bool:
+    """The fused Linear's storage is the one its parts' weights view."""
+    storage = fused.weight.untyped_storage().data_ptr()
+    return all(type(p) is nn.Linear and p.weight.untyped_storage().data_ptr() == storage for p in parts)
 
 
 def is_fused(model: Llama) -> bool:
@@ -90,10 +97,7 @@ def is_fused(model: Llama) -> bool:
         if not hasattr(attn, "wqkv") or not hasattr(ffn, "w_gate_up"):
             return False
         for fused, parts in ((attn.wqkv, (attn.wq, attn.wk, attn.wv)), (ffn.w_gate_up, (ffn.w_gate, ffn.w_up))):
-            if type(fused) is not nn.Linear or not all(type(p) is nn.Linear for p in parts):
-                return False
-            storage = fused.weight.untyped_storage().data_ptr()
-            if any(p.weight.untyped_storage().data_ptr() != storage for p in parts):
+            if type(fused) is not nn.Linear or not _backs(fused, parts):
                 return False
     model._decode_weights = _decode_weights(model)
     return True

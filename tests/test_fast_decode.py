@@ -241,3 +241,17 @@ def test_bad_verify_requests_are_refused():
     assert is_fused(model)                                         # the per-sequence check sees the bias
     with pytest.raises(ValueError, match="bias-free"):
         forward_verify(model, torch.tensor([[1, 2]]), cache, rope)
+
+
+def test_a_deepcopied_fused_model_is_fused_again():
+    """A deepcopy turns the fused views into separate copies: fuse_projections must fuse again rather than
+    skip the layer, or LLM(model=copy) would silently lose the fast path."""
+    import copy
+
+    model = fuse_projections(random_model(tiny_config(), seed=0))
+    twin = copy.deepcopy(model)
+    assert not is_fused(twin)
+    fuse_projections(twin)
+    assert is_fused(twin)
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(twin(tokens), model(tokens))
