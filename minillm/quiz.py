@@ -151,7 +151,8 @@ def shown(q: dict, lang: str = "en") -> tuple[str, list[str]]:
         except Exception as e:  # noqa: BLE001 (any failure is the bank's: say which entry and why)
             raise BankError(f"question {q['id']!r}: number {n['name']!r} = {source(n)} failed: "
                             f"{type(e).__name__}: {e}; fix the expression in the question bank") from None
-        text = f"{value:{n.get('fmt', ',.4g')}}" + (f" {n['unit']}" if n.get("unit") else "")
+        unit = n.get("unit", "")
+        text = f"{value:{n.get('fmt', ',.4g')}}" + (unit if unit in ("%", "x") else f" {unit}" if unit else "")
         values[n["name"]] = text
         lines.append(f"{n.get(label, n.get('label', n['name']))}: {text}  ({source(n)})")
     answer = re.sub(r"\{(\w+)\}", lambda m: values[m.group(1)], q["answer_zh" if lang == "zh" else "answer"])

@@ -6,15 +6,22 @@ Baseline caveat: the "fp32" model is SmolLM2's Q4_1 GGUF dequantised, so its wei
 sit on a 16-level grid per block of 32 (Q4_1: llama.cpp's block_q4_1, read by minillm/gguf_file.py).
 Asymmetric int4 with group 32, aligned to those blocks, can nearly reproduce it; the main
 comparisons use group 128 (and a g32 row shows the effect). Every method quantises only the
-linear layers in the 30 blocks; the tied embedding / LM head stays fp32 in every row.
+linear layers in the 30 blocks; the tied embedding / LM head stays full precision in these rows.
 
-Perplexity: evaluation_text() (never used for calibration) in 512-token windows, through
-LLM.generate's prompt_logprobs. GPTQ / AWQ calibrate on windows of calibration_text().
-Decode tokens/s: LLM.generate on one short prompt, greedy, whatever runner LLM has. On a CPU a
-QuantLinear multiplies by its packed int8 / int4 weight with torch's kernels (minillm/quant/
-cpu_kernels.py; vectorised for bf16 activations, scalar loops for fp32); decode_tok_s_reference is
-the same row on the reference path (dequantise W on every call, then F.linear), timed alternating
-with it. Rows ending in -bf16 quantise the bf16 model and run bf16 activations.
+Perplexity (results): evaluation_text() (never used for calibration) in 512-token windows, through
+LLM.generate's prompt_logprobs. GPTQ / AWQ calibrate on windows of calibration_text(). Rows ending
+in -bf16 quantise the bf16 model and run bf16 activations.
+
+Speed (summary.speed): batch-1 LLM.generate, greedy, one chat prompt, every model as LLM runs it:
+fp32 and bf16 on the compiled float step (lesson 02), the quantised bf16 models (with LLM's int8 LM
+head) on the compiled step over packed weights (fast_decode item 8), each also on the reference
+path (cpu_kernels.reference_path: dequantise W on every call, eager loop). All configurations run in
+turn within every repeat (interleaved), after one warm-up round; medians. Beside each, the perplexity
+of that exact model with prompts fed in 64-token chunks (so every chunk runs the packed kernels, at
+most 64 rows), on its fast and its reference path.
+Engine (summary.engine): the batching engine, bf16 float against int4 weights, equal requests.
+KV cache (summary.kv_cache): perplexity with the paged engine's KV cache in the model dtype, int8 and
+fp8 (e4m3), prompts in 32-token chunks so that each chunk attends over the stored (quantised) cache.
 """
 from __future__ import annotations
 
@@ -46,8 +53,14 @@ SPECS = {
     "awq-3bit-g128": ("awq", {"bits": 3, "group_size": 128}),
     "int8-bf16": ("int8", {}),
     "int4-g128-bf16": ("int4", {"group_size": 128}),
+    "gptq-4bit-g128-bf16": ("gptq", {"group_size": 128}),
+    "awq-4bit-g128-bf16": ("awq", {"group_size": 128}),
+    "nf4-bf16": ("nf4", {}),
 }
-BF16_KEYS = ("bf16", "int8-bf16", "int4-g128-bf16")     # the bf16 model: weights and activations
+BF16_KEYS = ("bf16", "int8-bf16", "int4-g128-bf16", "gptq-4bit-g128-bf16", "awq-4bit-g128-bf16", "nf4-bf16")
+# Batch-1 speed: the two float dtypes and the bf16 quantised models, each with LLM's int8 LM head
+SPEED_KEYS = ("fp32", "bf16", "int8-bf16", "int4-g128-bf16", "gptq-4bit-g128-bf16", "awq-4bit-g128-bf16", "nf4-bf16")
+QUICK_SPEED_KEYS = ("fp32", "bf16", "int8-bf16", "int4-g128-bf16")
 QUICK_KEYS = ("fp32", "int8", "int4-g128", "nf4", "gptq-4bit-g128", "awq-4bit-g128", "int4-g128-bf16")
 FULL_ORDER = ("fp32", "int8", "int4-g128", "nf4", "gptq-4bit-g128", "awq-4bit-g128", "int3-g128", "gptq-3bit-g128",
               "awq-3bit-g128", "int4-g128-sym", "nf4-dq", "bf16", "int4-g32", "int8-bf16", "int4-g128-bf16")
@@ -56,9 +69,11 @@ FULL_ORDER = ("fp32", "int8", "int4-g128", "nf4", "gptq-4bit-g128", "awq-4bit-g1
 def settings(quick: bool) -> dict:
     if quick:
         return dict(eval_windows=1, window=128, calib_windows=2, calib_window=128, decode_tokens=4,
-                    decode_repeats=1, keys=QUICK_KEYS)
-    return dict(eval_windows=8, window=512, calib_windows=4, calib_window=512, decode_tokens=8,
-                decode_repeats=1, keys=FULL_ORDER)
+                    decode_repeats=1, keys=QUICK_KEYS, speed_keys=QUICK_SPEED_KEYS, chunked_windows=2,
+                    engine_requests=2, engine_tokens=4)
+    return dict(eval_windows=8, window=512, calib_windows=4, calib_window=512, decode_tokens=64,
+                decode_repeats=5, keys=FULL_ORDER, speed_keys=SPEED_KEYS, chunked_windows=2,
+                engine_requests=16, engine_tokens=64)
 
 
 def build(base, key: str, calibration_ids) -> tuple[torch.nn.Module, float]:
@@ -83,40 +98,114 @@ def build(base, key: str, calibration_ids) -> tuple[torch.nn.Module, float]:
 def measure(llm, model, cfg: dict) -> dict:
     from ..evaluate import perplexity
     from ..quant import weight_bytes
-    from ..quant.linear import QuantLinear
-    from ..sampling import SamplingParams
 
     llm.model = model
     ppl = perplexity(llm, window=cfg["window"], max_windows=cfg["eval_windows"])
     sizes = weight_bytes(model)
-    prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "What is a quantised model?"}])
-    params = SamplingParams(temperature=0, max_tokens=cfg["decode_tokens"], ignore_eos=True)
-    has_kernels = any(isinstance(m, QuantLinear) and m.cpu_unsupported is None for m in model.modules())
-    seconds = decode_seconds(lambda: llm.generate([prompt], params, use_tqdm=False), cfg["decode_repeats"],
-                             reference=has_kernels)
     return {"ppl": ppl, "linear_MB": sizes["linear_bytes"] / 1e6, "bits_per_param": sizes["bits_per_param"],
-            "vs_fp16": sizes["bits_per_param"] / 16, "model_MB": sizes["model_bytes"] / 1e6,
-            **{key: cfg["decode_tokens"] / s for key, s in seconds.items()}}
+            "vs_fp16": sizes["bits_per_param"] / 16, "model_MB": sizes["model_bytes"] / 1e6}
 
 
-def decode_seconds(generate, repeats: int, reference: bool) -> dict:
-    """Median seconds of generate() on the default path ("decode_tok_s": the CPU kernels where they
-    apply) and, if reference, on the reference path too ("decode_tok_s_reference"), the two paths
-    alternating run by run so that a drift in machine load hits both."""
+def speed(models: dict, tokenizer, cfg: dict) -> dict:
+    """Batch-1 LLM.generate tok/s of every model, fast and (where a CPU kernel applies: not NF4)
+    reference path, interleaved round by round after a warm-up round; medians. Also each model's
+    perplexity in 64-token chunks (at least two windows: the engine runs them, in chunks) on both
+    paths, and the bytes a decode step reads (linear layers and LM head)."""
+    from ..evaluate import perplexity
+    from ..llm import LLM
+    from ..quant import quantize_lm_head, weight_bytes
     from ..quant.cpu_kernels import reference_path
+    from ..quant.linear import QuantLinear
+    from ..sampling import SamplingParams
 
-    paths = {"decode_tok_s": contextlib.nullcontext}
-    if reference:
-        paths["decode_tok_s_reference"] = reference_path
-    times = {key: [] for key in paths}
-    for run in range(repeats + 1):                        # run 0: warm-up
-        for key, path in paths.items():
-            with path():
+    llms, step_bytes = {}, {}
+    for key, model in models.items():
+        quantised = any(isinstance(m, QuantLinear) for m in model.modules())
+        if quantised:
+            quantize_lm_head(model)                    # as LLM(quantization=...) does on a CPU
+        head = model.lm_head if model.lm_head is not None else model.embed
+        head_bytes = head.weight_bytes() if isinstance(head, QuantLinear) else head.weight.numel() * head.weight.element_size()
+        step_bytes[key] = weight_bytes(model)["linear_bytes"] + head_bytes        # before LLM adds fused views
+        kernels = any(isinstance(m, QuantLinear) and m.cpu_unsupported is None for m in model.layers.modules())
+        llms[key] = (LLM(model=model, tokenizer=tokenizer, device="cpu", max_num_batched_tokens=64), kernels)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is a quantised model?"}])
+    params = SamplingParams(temperature=0, max_tokens=cfg["decode_tokens"], ignore_eos=True)
+    runs = [(key, path) for key, (_, q) in llms.items() for path in (("fast", "reference") if q else ("fast",))]
+    times = {run: [] for run in runs}
+    for round_ in range(cfg["decode_repeats"] + 1):                # round 0: warm-up (compiles)
+        for key, path in runs:
+            with reference_path() if path == "reference" else contextlib.nullcontext():
                 t0 = time.perf_counter()
-                generate()
-                if run:
-                    times[key].append(time.perf_counter() - t0)
-    return {key: statistics.median(t) for key, t in times.items()}
+                out = llms[key][0].generate([prompt], params, use_tqdm=False)
+                if round_:
+                    times[(key, path)].append(time.perf_counter() - t0)
+            assert len(out[0].outputs[0].token_ids) == cfg["decode_tokens"]
+    rows = []
+    for key, (llm, kernels) in llms.items():
+        row = {"method": key, "decode_tok_s": cfg["decode_tokens"] / statistics.median(times[(key, "fast")]),
+               "step_MB": step_bytes[key] / 1e6}
+        ppl = {"fast": perplexity(llm, window=cfg["window"], max_windows=cfg["chunked_windows"])}
+        if kernels:
+            row["decode_tok_s_reference"] = cfg["decode_tokens"] / statistics.median(times[(key, "reference")])
+            with reference_path():
+                ppl["reference"] = perplexity(llm, window=cfg["window"], max_windows=cfg["chunked_windows"])
+            row["ppl_chunked_reference"] = ppl["reference"]
+            row["ppl_fast_vs_reference_pct"] = 100 * (ppl["fast"] / ppl["reference"] - 1)
+        row["ppl_chunked"] = ppl["fast"]
+        rows.append(row)
+        print(common.format_table([row]), flush=True)
+    floats = [r for r in rows if r["method"] in ("fp32", "bf16")]
+    best = max(floats, key=lambda r: r["decode_tok_s"])
+    for r in rows:
+        r["vs_faster_float"] = r["decode_tok_s"] / best["decode_tok_s"]
+    return {"faster_float": best["method"], "results": rows,
+            "vs_faster_float": {r["method"]: r["vs_faster_float"] for r in rows}}
+
+
+def engine_throughput(models: dict, tokenizer, cfg: dict) -> dict:
+    """The batching engine's output tok/s on equal requests (same prompt length and output length),
+    bf16 float against int4 weights (with the int8 LM head), alternating, medians of 3."""
+    from ..llm import LLM
+    from ..sampling import SamplingParams
+
+    words = "the quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun".split()
+    prompts = [{"prompt_token_ids": tokenizer.encode(" ".join(words[i % 5:] + words[:i % 5]))[:16]}
+               for i in range(cfg["engine_requests"])]
+    params = SamplingParams(temperature=0, max_tokens=cfg["engine_tokens"], ignore_eos=True)
+    llms = {key: LLM(model=models[key], tokenizer=tokenizer, device="cpu") for key in ("bf16", "int4-g128-bf16")}
+    times = {key: [] for key in llms}
+    for round_ in range(4):
+        for key, llm in llms.items():
+            t0 = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            if round_:
+                times[key].append(time.perf_counter() - t0)
+    tokens = cfg["engine_requests"] * cfg["engine_tokens"]
+    rows = {key: tokens / statistics.median(t) for key, t in times.items()}
+    return {"requests": cfg["engine_requests"], "output_tokens": cfg["engine_tokens"], "tok_s": rows,
+            "int4_vs_bf16": rows["int4-g128-bf16"] / rows["bf16"]}
+
+
+def kv_cache_rows(base, tokenizer, cfg: dict) -> dict:
+    """Perplexity with the KV cache in the model dtype (bf16), int8 and fp8, prompts in 32-token
+    chunks so that every chunk attends over the cache as stored; and the bytes one block takes."""
+    from ..evaluate import perplexity
+    from ..llm import LLM
+    from ..model_runner import PagedKVCache
+
+    model = copy.deepcopy(base).to(torch.bfloat16)
+    out = {}
+    for kv in ("auto", "int8", "fp8"):
+        llm = LLM(model=model, tokenizer=tokenizer, device="cpu", kv_cache_dtype=kv, enable_chunked_prefill=True,
+                  max_num_batched_tokens=32)
+        name = "bf16" if kv == "auto" else kv
+        ppl = perplexity(llm, window=cfg["window"], max_windows=cfg["chunked_windows"])
+        out[name] = {"ppl": ppl, "block_bytes": PagedKVCache.bytes_per_block(model.cfg, 16, torch.bfloat16, kv)}
+        del llm
+    for name in ("int8", "fp8"):
+        out[name]["ppl_vs_bf16_pct"] = 100 * (out[name]["ppl"] / out["bf16"]["ppl"] - 1)
+        out[name]["bytes_vs_bf16"] = out[name]["block_bytes"] / out["bf16"]["block_bytes"]
+    return out
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -150,17 +239,24 @@ def run(quick: bool, partial_path=None) -> dict:
     cfg = settings(quick)
     llm = LLM(model="smollm2", dtype="float32", device="cpu")
     base = llm.model
-    calibration_ids = calibration_windows(llm.get_tokenizer(), cfg["calib_windows"], cfg["calib_window"])
-    rows = []
-    for key in cfg["keys"]:
+    tokenizer = llm.get_tokenizer()
+    calibration_ids = calibration_windows(tokenizer, cfg["calib_windows"], cfg["calib_window"])
+    rows, speed_models = [], {}
+    for key in dict.fromkeys(cfg["keys"] + cfg["speed_keys"]):
         model, quant_s = build(base, key, calibration_ids)
-        row = {"method": key, **measure(llm, model, cfg), "quantize_s": quant_s}
-        rows.append(row)
-        print(common.format_table([row]), flush=True)
+        if key in cfg["keys"]:
+            row = {"method": key, **measure(llm, model, cfg), "quantize_s": quant_s}
+            rows.append(row)
+            print(common.format_table([row]), flush=True)
+        if key in cfg["speed_keys"]:
+            speed_models[key] = model
         if partial_path:
             common.write_json(common.document(NAME, _config(cfg, quick), rows, summarise(rows)), partial_path)
     llm.model = base
     summary = summarise(rows)
+    summary["speed"] = speed(speed_models, tokenizer, cfg)
+    summary["engine"] = engine_throughput(speed_models, tokenizer, cfg)
+    summary["kv_cache"] = kv_cache_rows(base, tokenizer, cfg)
     summary["w4a16_kernel"] = kernel_benchmark(quick)      # GPU only; says so when not measured
     return common.document(NAME, _config(cfg, quick), rows, summary)
 
@@ -169,12 +265,14 @@ def _config(cfg: dict, quick: bool) -> dict:
     return {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32: the baseline)",
             "eval": f"evaluation_text(), {cfg['eval_windows']} windows of {cfg['window']} tokens",
             "calibration": f"calibration_text(), {cfg['calib_windows']} windows of {cfg['calib_window']} tokens",
-            "decode": f"LLM.generate (cached forward, fused fast path off for every row), 1 prompt, "
-                      f"{cfg['decode_tokens']} greedy tokens, median of {cfg['decode_repeats']} after 1 warm-up; "
-                      f"rows with CPU kernels also on the reference path, alternating",
+            "speed": f"batch-1 LLM.generate, 1 chat prompt, {cfg['decode_tokens']} greedy tokens (ignore_eos), "
+                     f"median of {cfg['decode_repeats']} interleaved rounds after 1 warm-up round; quantised "
+                     f"models with an int8 LM head, fast and reference path; perplexity in 64-token chunks over "
+                     f"{cfg['chunked_windows']} windows",
             "gptq": "asymmetric, act-order, blocksize 128, damp 0.01, true-sequential",
             "awq": "asymmetric, alpha grid 0..0.95 step 0.05, clip search 10 steps; v->o pair skipped (GQA)",
-            "quantized": "linear layers of the 30 blocks; tied embedding / LM head kept fp32 (bf16 in -bf16 rows)",
+            "quantized": "linear layers of the 30 blocks; tied embedding / LM head kept fp32 (bf16 in -bf16 rows); "
+                         "the speed rows add LLM's int8 LM head",
             "quick": quick, **{k: v for k, v in cfg.items() if k != "keys"}}
 
 
