@@ -88,7 +88,7 @@ class Engine:
                                    enable_chunked_prefill)
         if getattr(llm, "parallel", None) is None:
             self.kv = PagedKVCache(cfg, num_kv_blocks, block_size, dtype, llm.device, kv_cache_dtype)
-            self.runner = ModelRunner(llm.model, self.kv, llm.rope)
+            self.runner = ModelRunner(llm.model, self.kv, llm.rope, prepack_rows=max_num_seqs)
         else:           # tensor/pipeline parallel: every rank builds its part of the cache (minillm/parallel)
             self.kv, self.runner = llm.parallel.start_engine(llm.model, llm.rope, num_kv_blocks, block_size,
                                                              kv_cache_dtype)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import prepacked
 from .fast_decode import is_fused, linear, lm_head, rms_norm
 from .model import Llama, ModelConfig
 from .paged_attention import block_table_tensor, copy_blocks, gather_kv, store_kv_reference
@@ -213,12 +214,26 @@ def _decode_group(members: list[tuple[int, int, int, list[int]]], block_size: in
 class ModelRunner:
     """Runs PagedBatches of one model over one PagedKVCache."""
 
-    def __init__(self, model: Llama, kv: PagedKVCache, rope: RopeTable):
+    def __init__(self, model: Llama, kv: PagedKVCache, rope: RopeTable, prepack_rows: int | None = None):
+        """prepack_rows: on CPU, lay the float weights out once for batches of about this many rows
+        (minillm/prepacked.py; the engine passes max_num_seqs); None: plain F.linear."""
         self.model, self.kv, self.rope = model, kv, rope
         self.fused = is_fused(model)            # fused QKV / gate-up (not for quantised models)
+        self.packed_layers, self.packed_head = self._prepack(prepack_rows)
         # the Triton kernels read the model's dtype from the blocks; an int8/fp8 cache takes the gather path
         self.use_triton = kv.k.device.type == "cuda" and not kv.quantized
         self._buffers = [torch.empty(0, dtype=kv.k.dtype, device=kv.k.device) for _ in range(2)]
+
+    def _prepack(self, rows: int | None) -> tuple[list | None, prepacked.PrepackedLinear | None]:
+        """-> per layer (wqkv, wo, w_gate_up, w_down) prepacked, and the tied LM head; or Nones."""
+        model = self.model
+        if rows is None or not self.fused or self.kv.k.device.type != "cpu":
+            return None, None
+        layers = [tuple(prepacked.prepack_or_none(m, rows) for m in
+                        (layer.attn.wqkv, layer.attn.wo, layer.ffn.w_gate_up, layer.ffn.w_down))
+                  for layer in model.layers]
+        head = prepacked.prepack_or_none(model.embed.weight, rows) if model.lm_head is None else None
+        return layers, head
 
     def _decode_buffers(self, batch: PagedBatch) -> tuple | None:
         """Two (Bg * n, block_size, Hkv, D) buffers, for the largest decode group, that every
@@ -237,6 +252,8 @@ class ModelRunner:
     def forward(self, batch: PagedBatch) -> torch.Tensor:
         """-> logits (K, V) of batch.logits_rows."""
         h = self.forward_layers(self.model.embed(batch.tokens), batch)   # (N, dim)
+        if self.packed_head is not None:                                 # NEW: prepacked
+            return prepacked.lm_head(self.packed_head, self.model, h[batch.logits_rows])
         return lm_head(self.model, h[batch.logits_rows])                 # (K, V)
 
     @torch.no_grad()
@@ -248,24 +265,30 @@ class ModelRunner:
         rotation = self.rope.rotation[batch.positions][:, None]          # (N, 1, D/2) complex
         buffers = self._decode_buffers(batch)
         for i, layer in enumerate(model.layers):
-            q, k, v = self._qkv(layer.attn, rms_norm(layer.attn_norm, h), rotation)   # (N, H, D) each, q k rotated
+            pqkv, pwo, pgate_up, pdown = self.packed_layers[i] if self.packed_layers else (None,) * 4
+            q, k, v = self._qkv(layer.attn, rms_norm(layer.attn_norm, h), rotation, pqkv)   # (N, H, D) each, q k rotated
             self._store(i, k, v, batch.slot_mapping)                     # NEW: paged
             out = self._attention(i, q, batch, buffers)                  # (N, Hq, D)
-            h = h + linear(layer.attn.wo, out.reshape(N, Hq * D))
+            h = h + self._linear(pwo, layer.attn.wo, out.reshape(N, Hq * D))
             x = rms_norm(layer.ffn_norm, h)
             if self.fused:
-                gate, up = linear(layer.ffn.w_gate_up, x).chunk(2, dim=-1)   # (N, ffn) each
-                h = h + linear(layer.ffn.w_down, F.silu(gate) * up)
+                gate, up = self._linear(pgate_up, layer.ffn.w_gate_up, x).chunk(2, dim=-1)   # (N, ffn) each
+                h = h + self._linear(pdown, layer.ffn.w_down, F.silu(gate) * up)
             else:
                 h = h + layer.ffn(x)
         return h
 
-    def _qkv(self, attn, x, rotation):
+    @staticmethod
+    def _linear(packed, module, x):
+        """x (N, in) -> (N, out): the prepacked weight where there is one (NEW: prepacked)."""
+        return linear(module, x) if packed is None else packed(x)
+
+    def _qkv(self, attn, x, rotation, packed=None):
         """-> q (N, Hq, D), k (N, Hkv, D) with RoPE applied, v (N, Hkv, D)."""
         cfg = self.model.cfg
         Hq, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if self.fused:                                   # rotate q and k in one go
-            qk, v = linear(attn.wqkv, x).split([(Hq + Hkv) * D, Hkv * D], dim=-1)
+            qk, v = self._linear(packed, attn.wqkv, x).split([(Hq + Hkv) * D, Hkv * D], dim=-1)
             qk = apply_rope_complex(qk.view(-1, Hq + Hkv, D), rotation)   # (N, Hq+Hkv, D)
             return qk[:, :Hq], qk[:, Hq:], v.view(-1, Hkv, D)
         q, k, v = attn.wq(x), attn.wk(x), attn.wv(x)

@@ -46,7 +46,7 @@ COMPILED = ("Torch-Compiled Region", "CompiledFxGraph", "## Call CompiledFxGraph
 
 
 def op_class(name: str) -> str:
-    if name in MATMUL or name.startswith(("mkldnn::", "aten::mkldnn", "quantized::")):
+    if name in MATMUL or name.startswith(("mkldnn::", "mkl::", "aten::mkldnn", "quantized::")):
         return "weight matmuls"
     if name in ATTENTION:
         return "attention"

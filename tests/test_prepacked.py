@@ -1,0 +1,96 @@
+"""Prepacked CPU weights (minillm/prepacked.py): the engine's GEMMs through MKL's / oneDNN's blocked
+layout give F.linear's results, and the engine really runs them."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import CharTokenizer, random_prompts
+from minillm import LLM, SamplingParams, prepacked
+from minillm.model import random_model, tiny_config
+
+needs_mkl = pytest.mark.skipif(not torch._C.has_mkl, reason="fp32 prepacking is MKL's (an x86 build of torch)")
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="bf16 prepacking is oneDNN's")
+
+
+@needs_mkl
+@pytest.mark.parametrize("rows", [1, 4, 16, 33])
+def test_fp32_prepacked_gemm_is_bit_equal_to_f_linear(rows):
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 64), torch.randn(rows, 64)                     # (out, in), (N, in)
+    packed = prepacked.PrepackedLinear(w, rows=16)
+    assert packed.library == "mkl"
+    assert torch.equal(packed(x), F.linear(x, w))
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 16, 48])
+def test_bf16_prepacked_gemm_matches_f_linear_to_bf16_rounding(rows):
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 64).bfloat16(), torch.randn(rows, 64).bfloat16()
+    packed = prepacked.PrepackedLinear(w, rows=16)
+    assert packed.library == "onednn"
+    exact = x.float() @ w.float().t()                                     # (N, out) in fp32
+    assert (packed(x).float() - exact).abs().max() <= 2 ** -7 * exact.abs().max()
+
+
+def test_what_cannot_be_prepacked_is_refused_clearly():
+    with pytest.raises(ValueError, match="cannot prepack"):
+        prepacked.PrepackedLinear(torch.randn(4, 4, requires_grad=True), rows=4)
+    with pytest.raises(ValueError, match="cannot prepack"):
+        prepacked.PrepackedLinear(torch.randn(4, 4).to(torch.int8), rows=4)
+    with pytest.raises(ValueError, match="rows = 0"):
+        prepacked.PrepackedLinear(torch.randn(4, 4), rows=0)
+    assert prepacked.prepack_or_none(torch.nn.Linear(4, 4, bias=True), 4) is None   # bias: F.linear keeps it
+
+
+def tiny_llm(dtype=torch.float32, **kwargs):
+    model = random_model(tiny_config(), seed=0).to(dtype)
+    return LLM(model=model, tokenizer=CharTokenizer(), device="cpu", max_model_len=256, **kwargs)
+
+
+@needs_mkl
+def test_engine_runs_prepacked_gemms_and_gives_the_unpacked_tokens(monkeypatch):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 17, 40, 9, 25, 1], 200)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = tiny_llm(max_num_seqs=6)
+    runner = plain.engine.runner
+    runner.packed_layers, runner.packed_head = runner._prepack(None)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+
+    llm = tiny_llm(max_num_seqs=6)
+    runner = llm.engine.runner
+    assert len(runner.packed_layers) == llm.config.n_layers and runner.packed_head is not None
+    assert all(p is not None and p.rows == 6 for layer in runner.packed_layers for p in layer)
+    calls = []
+    original = prepacked.PrepackedLinear.__call__
+    monkeypatch.setattr(prepacked.PrepackedLinear, "__call__", lambda self, x: calls.append(x.shape[0]) or original(self, x))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    steps = len(llm.engine.step_log)
+    assert len(calls) == steps * (4 * llm.config.n_layers + 1)            # every GEMM of every step, and the head
+    assert 6 in calls                                                      # the full decode batch ran packed
+
+
+@needs_onednn
+def test_bf16_engine_prepacked_logits_match_unpacked():
+    llm, plain = tiny_llm(torch.bfloat16, max_num_seqs=4), tiny_llm(torch.bfloat16, max_num_seqs=4)
+    runner = plain.engine.runner
+    runner.packed_layers, runner.packed_head = runner._prepack(None)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 30, 12, 2], 200)]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=5)
+    a = llm.generate(prompts, params, use_tqdm=False)
+    b = plain.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.runner.packed_layers[0][0].library == "onednn"
+    for x, y in zip(a, b):
+        top_a, top_b = x.outputs[0].logprobs[0], y.outputs[0].logprobs[0]
+        shared = set(top_a) & set(top_b)
+        assert len(shared) >= 4
+        assert max(abs(top_a[t].logprob - top_b[t].logprob) for t in shared) < 0.05
+
+
+def test_a_quantised_model_runs_unpacked():
+    from minillm.quant import quantize_model
+
+    llm = tiny_llm(max_num_seqs=4)
+    quantize_model(llm.model, "int8")
+    assert llm.engine.runner.packed_layers is None and llm.engine.runner.packed_head is None
