@@ -113,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_bench)
 
     d = sub.add_parser("demo", help="chat with SmolLM2, streamed, then report tokens/s")
-    model_args(d)
+    d.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or an HF folder")
+    d.add_argument("--dtype", default="auto", help="auto (time fp32 and bf16 here, chat in the faster) | "
+                                                   "float32 | bfloat16 | float16")
     d.add_argument("--max-tokens", type=int, default=96)
     d.set_defaults(func=_demo)
 
