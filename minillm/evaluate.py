@@ -5,11 +5,21 @@ every machine has it offline. Topics are split by name into two disjoint parts:
 every 4th topic (sorted by name) is calibration data (GPTQ / AWQ statistics), the rest is
 evaluation data. Some paragraphs are repeated across topics; the evaluation part drops any
 paragraph that the calibration part contains, so nothing calibrates on text it is scored on.
+
+Python's docs are one domain; a quantiser calibrated on some of them and scored on the rest is
+judged in-domain only. DOMAINS adds English texts of other kinds, committed in minillm/data/
+(sources and terms in its README.md), none of them ever used for calibration:
+
+    domain_text("python-docs")    evaluation_text() (the default everywhere)
+    domain_text("gpl-3")          the GNU GPL v3: FSF legal prose
+    domain_text("apache-mpl")     the Apache License 2.0 and the Mozilla Public License 2.0
+    domain_text("vim-charity")    Vim's uganda.txt: the Vim license and a charity's story
 """
 from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 from .sampling import SamplingParams
 
@@ -28,6 +38,27 @@ def calibration_text() -> str:
 def evaluation_text() -> str:
     seen = set(_paragraphs(calibration=True))
     return "\n\n".join(p for p in _paragraphs(calibration=False) if p not in seen)
+
+
+DATA = Path(__file__).resolve().parent / "data"
+# domain -> files in minillm/data joined by a blank line (None: evaluation_text())
+_DOMAIN_FILES = {
+    "python-docs": None,
+    "gpl-3": ("gpl-3.txt",),
+    "apache-mpl": ("apache-2.0.txt", "mpl-2.0.txt"),
+    "vim-charity": ("vim-uganda.txt",),
+}
+DOMAINS = tuple(_DOMAIN_FILES)          # scoring domains, Python's docs first
+
+
+def domain_text(name: str) -> str:
+    """The evaluation text of one scoring domain (see DOMAINS); never calibration data."""
+    if name not in _DOMAIN_FILES:
+        raise ValueError(f"domain {name!r} is unknown; allowed: {', '.join(map(repr, DOMAINS))}")
+    files = _DOMAIN_FILES[name]
+    if files is None:
+        return evaluation_text()
+    return "\n\n".join((DATA / f).read_text(encoding="utf-8").strip("\n") for f in files)
 
 
 def token_windows(token_ids: list[int], window: int, max_windows: int | None = None) -> list[list[int]]:

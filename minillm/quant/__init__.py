@@ -141,11 +141,122 @@ def as_ids(calibration_ids, model) -> torch.Tensor:
     return ids.to(model.embed.weight.device)
 
 
-def calibration_windows(tokenizer, n_windows: int = CALIBRATION_WINDOWS, window: int = CALIBRATION_WINDOW) -> torch.Tensor:
-    """(n_windows, window) token ids from evaluate.calibration_text(), which the evaluation never sees."""
+CALIBRATION_SOURCES = ("python-docs", "model-samples", "mixed")
+SAMPLE_TEMPERATURE = 1.0       # model-samples: plain sampling from the model's own distribution
+SAMPLE_TOP_P = 1.0
+
+
+def calibration_windows(tokenizer, n_windows: int = CALIBRATION_WINDOWS, window: int = CALIBRATION_WINDOW, *,
+                        source: str = "python-docs", model=None, seed: int = 0,
+                        temperature: float = SAMPLE_TEMPERATURE, top_p: float = SAMPLE_TOP_P,
+                        cache: bool = True) -> torch.Tensor:
+    """(n_windows, window) token ids to calibrate GPTQ / AWQ on, from one source:
+
+    "python-docs"    windows of evaluate.calibration_text(), which the evaluation never sees (default);
+    "model-samples"  text the model writes itself (LLM-QAT's data-free idea): each window starts at the
+                     tokenizer's BOS token and is sampled from `model` at `temperature` / `top_p`,
+                     window i with its own generator seeded from (seed, i); generic, no download.
+                     Cached under loader.cache_dir()/calibration (cache=False: always generate);
+    "mixed"          n_windows - n_windows // 2 python-docs windows, then n_windows // 2 model samples.
+    Deterministic: the same arguments (and model weights) give the same windows."""
     from ..evaluate import calibration_text, token_windows
 
-    return torch.tensor(token_windows(tokenizer.encode(calibration_text()), window, n_windows))
+    if source not in CALIBRATION_SOURCES:
+        raise ValueError(f"calibration source {source!r} is unknown; allowed: {', '.join(map(repr, CALIBRATION_SOURCES))}")
+    if isinstance(n_windows, bool) or not isinstance(n_windows, int) or n_windows < 1:
+        raise ValueError(f"n_windows = {n_windows!r} is invalid; allowed: an integer >= 1")
+    if source != "python-docs" and model is None:
+        raise ValueError(f"calibration source {source!r} samples text from the model: pass model=<the Llama to quantise>")
+    n_samples = {"python-docs": 0, "model-samples": n_windows, "mixed": n_windows // 2}[source]
+    parts = []
+    if n_windows - n_samples:
+        docs = token_windows(tokenizer.encode(calibration_text()), window, n_windows - n_samples)
+        parts.append(torch.tensor(docs))
+    if n_samples:
+        sample = cached_model_samples if cache else model_samples
+        parts.append(sample(model, n_samples, window, start_token=start_token(tokenizer, model), seed=seed,
+                            temperature=temperature, top_p=top_p))
+    return torch.cat(parts)
+
+
+def start_token(tokenizer, model) -> int:
+    """The first token of every sampled window: the tokenizer's BOS, else its EOS, else id 0."""
+    for name in ("bos_token_id", "eos_token_id"):
+        token = getattr(tokenizer, name, None)
+        if isinstance(token, int) and 0 <= token < model.cfg.vocab_size:
+            return token
+    return 0
+
+
+@torch.no_grad()
+def model_samples(model, n_windows: int, window: int, *, start_token: int = 0, seed: int = 0,
+                  temperature: float = SAMPLE_TEMPERATURE, top_p: float = SAMPLE_TOP_P, batch: int = 16) -> torch.Tensor:
+    """(n_windows, window) token ids the model samples after `start_token`, over a KV cache
+    (kv_cache.forward_cached), `batch` windows at a time; EOS does not stop a window.
+    Window i draws from its own torch.Generator seeded with seed * 1_000_003 + i."""
+    from ..kv_cache import KVCache, forward_cached
+    from ..sampling import SamplingParams, filtered_probs
+
+    if window < 2:
+        raise ValueError(f"window = {window} is invalid; allowed: an integer >= 2")
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    if params.greedy:
+        raise ValueError("temperature = 0 would give every window the same greedy text; allowed: > 0")
+    device = model.embed.weight.device
+    out = torch.empty(n_windows, window, dtype=torch.long)
+    for b0 in range(0, n_windows, batch):
+        rows = range(b0, min(b0 + batch, n_windows))
+        gens = [torch.Generator(device=device).manual_seed(seed * 1_000_003 + i) for i in rows]
+        cache = KVCache(model.cfg, len(rows), window, model.embed.weight.dtype, device)
+        tokens = torch.full((len(rows), 1), start_token, dtype=torch.long, device=device)     # (B, 1)
+        out[b0:b0 + len(rows), 0] = start_token
+        for t in range(1, window):
+            logits = forward_cached(model, tokens, cache)                                     # (B, V)
+            nxt = [int(torch.multinomial(filtered_probs(logits[j], params), 1, generator=g)) for j, g in enumerate(gens)]
+            out[b0:b0 + len(rows), t] = torch.tensor(nxt)
+            tokens = torch.tensor(nxt, device=device)[:, None]
+    return out
+
+
+def model_fingerprint(model) -> str:
+    """A hash of the model's config and every tensor of its state dict (float copies differ)."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(model.cfg.to_dict(), sort_keys=True).encode())
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def cached_model_samples(model, n_windows: int, window: int, **kw) -> torch.Tensor:
+    """model_samples, generated once per (model weights, arguments) and kept under
+    loader.cache_dir()/calibration; a clean machine regenerates them."""
+    from ..loader import cache_dir
+
+    key = _cache_key(model_fingerprint(model), n_windows, window, sorted(kw.items()))
+    path = cache_dir() / "calibration" / f"model-samples-{key}.pt"
+    if path.is_file():
+        try:
+            ids = torch.load(path, weights_only=True)
+            if tuple(ids.shape) == (n_windows, window):
+                return ids
+        except Exception:                  # a partial or foreign file: generate again
+            pass
+    ids = model_samples(model, n_windows, window, **kw)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    torch.save(ids, tmp)
+    tmp.replace(path)
+    return ids
+
+
+def _cache_key(*parts) -> str:
+    import hashlib
+
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
 
 
 # ---- sizes --------------------------------------------------------------------------------------
