@@ -2,10 +2,16 @@
 kernel tests, each step time-boxed, every result written under $OUT (default results/gpu/) as soon
 as it exists, so that a lease running out still leaves the finished parts.
 
-    1. FlashAttention (Triton) vs naive vs torch SDPA (flash backend): ms and TFLOP/s, N = 1K..16K
-    2. W4A16 (Triton, int4 g128) vs fp16 cuBLAS matmul at batch 1..16, 4096x4096 and 11008x4096
-    3. paged decode kernel on scattered 16-token pages vs the same kernel on contiguous memory
+    1. W4A16 (Triton, int4 g128) vs fp16 cuBLAS matmul at batch 1..64, Llama-2-7B's shapes, and the
+       card's copy bandwidth the int4 GB/s are compared with
+    2. paged decode kernel on scattered 16-token pages vs the same kernel on contiguous memory
+    3. FlashAttention (Triton) vs naive vs torch SDPA (flash backend): ms and TFLOP/s, N = 1K..16K
     4. pytest on the kernel tests (they run on CUDA when it is present)
+
+Every kernel is timed by minillm/benchmarks/kernel_timing.py (CUDA events, L2 flushed before each
+sample; each JSON row names its method). The files it writes are *-kernel.json; the older
+*-gpu.json files were timed with perf_counter around single calls (the launch, not the kernel) and
+stay only as the example lesson 04 explains.
 """
 from __future__ import annotations
 
@@ -44,9 +50,9 @@ def main() -> None:
     from minillm.benchmarks.paged import kernel_paging_cost
     from minillm.benchmarks.quant import kernel_benchmark
 
-    step("w4a16-gpu", lambda: kernel_benchmark(quick=False))
-    step("paged-kernel-gpu", lambda: {"rows": kernel_paging_cost([(1, 4096), (8, 1024), (32, 2048), (64, 4096)])})
-    step("flash-attention-gpu", lambda: {"machine": common.machine_info(), "rows": measure_gpu(quick=False)})
+    step("w4a16-kernel", lambda: kernel_benchmark(quick=False))
+    step("paged-kernel", lambda: {"rows": kernel_paging_cost([(1, 4096), (8, 1024), (32, 2048), (64, 4096)])})
+    step("flash-attention-kernel", lambda: {"machine": common.machine_info(), "rows": measure_gpu(quick=False)})
     budget = int(os.environ.get("GPU_TEST_SECONDS", "180"))
     tests = ["tests/test_flash_attention.py", "tests/test_paged_attention.py", "tests/test_quant_w4a16.py"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],

@@ -127,6 +127,8 @@ def measure_gpu(quick: bool) -> list[dict]:
     from kernels.flash_attention import triton_flash_attention_forward
     from minillm.flash_attention import naive_attention_in_dtype
 
+    from .kernel_timing import time_kernel
+
     def sdpa(q, k, v, causal):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -154,8 +156,10 @@ def measure_gpu(quick: bool) -> list[dict]:
                         row[f"{name}_peak_bytes"] = torch.cuda.max_memory_allocated() - base
                         row[f"{name}_max_err_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
                         del out
-                        seconds = common.time_median(lambda: fn(q, k, v, causal), repeats=10, warmup=3, device="cuda")
+                        timing = time_kernel(lambda: fn(q, k, v, causal), samples=10, warmup=3)
+                        seconds = timing["median_s"]
                         row[f"{name}_ms"] = seconds * 1e3
+                        row["timing"] = timing["method"]
                         row[f"{name}_tflops"] = flops / seconds / 1e12
                     row["speedup_vs_naive"] = row["naive_ms"] / row["triton_ms"]
                     row["fraction_of_sdpa"] = row["sdpa_flash_ms"] / row["triton_ms"]

@@ -38,7 +38,7 @@ import torch
 from ..block_manager import BlockManager
 from ..kv_cache import kv_cache_bytes
 from ..paged_attention import block_table_tensor
-from .common import document, time_median
+from .common import document
 
 NAME = "paged"
 RESULTS = Path(__file__).resolve().parents[2] / "results"
@@ -295,6 +295,8 @@ def kernel_paging_cost(shapes: list[tuple[int, int]], device: str = "cuda") -> l
     pages vs the same kernel on contiguous memory (one page per sequence) vs SDPA."""
     from kernels.paged_attention import paged_attention_decode
 
+    from .kernel_timing import time_kernel
+
     rows = []
     Hq, Hkv, D, dtype = 32, 8, 128, torch.bfloat16              # Llama-3-8B-like attention
     for batch, seq_len in shapes:
@@ -322,7 +324,9 @@ def kernel_paging_cost(shapes: list[tuple[int, int]], device: str = "cuda") -> l
         }
         row = {"batch": batch, "seq_len": seq_len, "num_splits": num_splits}
         for name, fn in timings.items():
-            row[name] = 1e3 * time_median(fn, repeats=20, warmup=3, device=device)
+            timing = time_kernel(fn, device=device)
+            row[name] = 1e3 * timing["median_s"]
+        row["timing"] = timing["method"]
         row["paging_overhead"] = row["paged_ms"] / row["contiguous_ms"] - 1
         rows.append(row)
     return rows

@@ -319,16 +319,25 @@ def kernel_benchmark(quick: bool = False) -> dict:
     from kernels.w4a16 import w4a16_matmul
     from ..quant import int4
 
+    from .kernel_timing import copy_bandwidth, time_kernel
+
+    copy = copy_bandwidth("cuda")
     rows = []
-    for out_f, in_f in ((4096, 4096), (11008, 4096)):
+    for out_f, in_f in ((4096, 4096), (11008, 4096), (4096, 11008)):
         w = torch.randn(out_f, in_f, device="cuda", dtype=torch.float16) * 0.02
         t = int4.quantize(w.float(), 4, 128, symmetric=False)
-        for batch in ((1, 16) if quick else (1, 2, 4, 8, 16)):
+        int4_bytes = sum(t[k].numel() * t[k].element_size() for k in ("packed", "scale", "zero"))
+        for batch in ((1, 16) if quick else (1, 2, 4, 8, 16, 32, 64)):
             x = torch.randn(batch, in_f, device="cuda", dtype=torch.float16)
-            fp16_s = common.time_median(lambda: x @ w.T, repeats=50, warmup=10, device="cuda")
-            int4_s = common.time_median(lambda: w4a16_matmul(x, t["packed"], t["scale"], t["zero"], group=128),
-                                        repeats=50, warmup=10, device="cuda")
-            weight_gb = out_f * in_f * 2 / 1e9
+            fp16 = time_kernel(lambda: x @ w.T)
+            int4_t = time_kernel(lambda: w4a16_matmul(x, t["packed"], t["scale"], t["zero"], group=128))
+            fp16_s, int4_s = fp16["median_s"], int4_t["median_s"]
             rows.append({"shape": f"{out_f}x{in_f}", "batch": batch, "fp16_us": 1e6 * fp16_s, "w4a16_us": 1e6 * int4_s,
-                         "speedup": fp16_s / int4_s, "fp16_GB_s": weight_gb / fp16_s})
-    return {"measured": True, "gpu": torch.cuda.get_device_name(0), "results": rows}
+                         "fp16_p10_p90_us": [1e6 * fp16["p10_s"], 1e6 * fp16["p90_s"]],
+                         "w4a16_p10_p90_us": [1e6 * int4_t["p10_s"], 1e6 * int4_t["p90_s"]],
+                         "speedup": fp16_s / int4_s, "fp16_GB_s": out_f * in_f * 2 / 1e9 / fp16_s,
+                         "w4a16_GB_s": int4_bytes / 1e9 / int4_s,
+                         "w4a16_fraction_of_copy_bandwidth": int4_bytes / int4_s / copy["bytes_per_s"],
+                         "timing": int4_t["method"]})
+    return {"measured": True, "gpu": torch.cuda.get_device_name(0), "copy_GB_s": copy["bytes_per_s"] / 1e9,
+            "timing": copy["method"], "results": rows}
