@@ -199,6 +199,40 @@ class Llama(nn.Module):
         return self.logits(h)
 
 
+def random_model_on(cfg: ModelConfig, device: str | torch.device, dtype=torch.bfloat16, seed: int = 0) -> Llama:
+    """random_model's weights made where they will run: the modules are built on the meta device (no
+    memory), then every parameter is allocated on `device` in `dtype` and filled there by a generator
+    of that device. A 7B shape in bf16 goes straight onto a GPU without 28 GB of fp32 on the host.
+    The values differ from random_model's (another generator); speed does not depend on them."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed) if device.type != "meta" else None
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if device.type == "meta":
+                continue
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.1, generator=gen)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.normal_(0.0, 1 / math.sqrt(p.shape[-1]), generator=gen)
+    return model.eval()
+
+
+def published_model(name: str, device: str | torch.device, dtype=torch.bfloat16, seed: int = 0) -> Llama:
+    """A random-weight model of a published shape (roofline.PUBLISHED: "llama2-7b", "llama3-8b",
+    "llama3.2-1b"), made on `device` (random_model_on): for speed measurements where a GPU needs a
+    model big enough to matter, with no download."""
+    from .roofline import PUBLISHED
+
+    if name not in PUBLISHED:
+        raise ValueError(f"unknown model shape {name!r}; allowed: {', '.join(map(repr, PUBLISHED))}")
+    return random_model_on(PUBLISHED[name], device, dtype, seed)
+
+
 def random_model(cfg: ModelConfig, seed: int = 0, dtype=torch.float32) -> Llama:
     """Random weights with a scale that keeps activations O(1) through the layers."""
     gen = torch.Generator().manual_seed(seed)

@@ -35,6 +35,11 @@ LLAMA3_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_
 LLAMA3_70B = ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
                          ffn_dim=28672, rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False)
 LLAMA31_70B = dataclasses.replace(LLAMA3_70B, max_seq_len=131072)    # same weights' shape, 128K context
+# meta-llama/Llama-3.2-1B's config.json; its "llama3" RoPE frequency scaling is not modelled here (same
+# shapes and cost; the values would differ, and these models are random-weight speed stand-ins)
+LLAMA32_1B = ModelConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
+                         ffn_dim=8192, rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True)
+PUBLISHED = {"llama2-7b": LLAMA2_7B, "llama3-8b": LLAMA3_8B, "llama3.2-1b": LLAMA32_1B}   # model.published_model
 
 
 def weight_bytes(cfg: ModelConfig, bytes_per_param: float) -> float:
