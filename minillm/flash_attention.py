@@ -12,7 +12,8 @@ Three versions of the same function sit side by side:
     flash_attention           the user-facing, differentiable function: forward by the Triton
                               kernel or the torch twin, backward by tiled recomputation from the
                               saved log-sum-exp (FlashAttention-2 style), so it also works for
-                              training.
+                              training: the Triton backward (kernels/flash_attention_backward.py)
+                              on CUDA or with backend="triton", flash_attention_backward_torch else.
 
 Layout everywhere: q (B, Hq, Tq, D), k and v (B, Hkv, Tk, D), Hq % Hkv == 0. Grouped-query
 attention: query head h reads KV head h // (Hq // Hkv). With causal=True and Tq < Tk (prefill
@@ -223,21 +224,41 @@ def attention_forward(q, k, v, causal: bool = True, sm_scale: float | None = Non
     return flash_attention_torch(q, k, v, causal, sm_scale)
 
 
+def attention_backward(q, k, v, o, lse, do, causal: bool = True, sm_scale: float | None = None,
+                       backend: str = "auto"):
+    """(dq, dk, dv) by the chosen backend: "triton" (kernels/flash_attention_backward.py), "torch"
+    (flash_attention_backward_torch) or "auto": the Triton backward on CUDA, the torch twin
+    elsewhere (on CPU the interpreted kernel would be correct but far slower than the twin)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        cuda = q.device.type == "cuda"
+        backend = "triton" if cuda and triton_usable(q.device) and q.shape[-1] <= MAX_HEAD_DIM else "torch"
+    if backend == "triton":
+        if not triton_usable(q.device):
+            raise ValueError("backend='triton' needs a CUDA tensor, or a CPU tensor with TRITON_INTERPRET=1 "
+                             "set before the kernel module is imported")
+        from kernels.flash_attention_backward import triton_flash_attention_backward
+        return triton_flash_attention_backward(q, k, v, o, lse, do.contiguous(), causal, sm_scale)
+    return flash_attention_backward_torch(q, k, v, o, lse, do, causal, sm_scale)
+
+
 class FlashAttentionFunction(torch.autograd.Function):
-    """Forward saves only q, k, v, o and the (B, Hq, Tq) LSE; backward recomputes P from them."""
+    """Forward saves only q, k, v, o and the (B, Hq, Tq) LSE; backward recomputes P from them,
+    with the same backend switch as the forward (attention_backward)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, sm_scale, backend):
         scale = check_attention_inputs(q, k, v, causal, sm_scale)
         o, lse = attention_forward(q, k, v, causal, scale, backend)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attention_backward_torch(q, k, v, o, lse, do, ctx.causal, ctx.scale)
+        dq, dk, dv = attention_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale, ctx.backend)
         return dq, dk, dv, None, None, None
 
 
@@ -249,7 +270,9 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None,
         "auto"   the Triton kernel when it can run (CUDA, or CPU with TRITON_INTERPRET=1), else "torch"
         "triton" the kernel in kernels/flash_attention.py; a ValueError if it cannot run here
         "torch"  flash_attention_torch, the plain-PyTorch twin with the same tiling
-    The backward pass is always flash_attention_backward_torch (tiled recomputation from the LSE).
+    The backward pass recomputes P tile by tile from the saved LSE: the Triton backward
+    (kernels/flash_attention_backward.py) when backend="triton", or "auto" on CUDA; otherwise
+    flash_attention_backward_torch.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -6,7 +6,8 @@ as it exists, so that a lease running out still leaves the finished parts.
        card's copy bandwidth the int4 GB/s are compared with
     2. paged decode kernel on scattered 16-token pages vs the same kernel on contiguous memory
     3. FlashAttention (Triton) vs naive vs torch SDPA (flash backend): ms and TFLOP/s, N = 1K..16K
-    4. pytest on the kernel tests (they run on CUDA when it is present)
+    4. end to end: a random-weight Llama-2-7B shape decoding at batch 1 with fp16 then int4 weights
+    5. pytest on the kernel tests (they run on CUDA when it is present), the Triton backward included
 
 Every kernel is timed by minillm/benchmarks/kernel_timing.py (CUDA events, L2 flushed before each
 sample; each JSON row names its method). The files it writes are *-kernel.json; the older
@@ -48,13 +49,15 @@ def main() -> None:
     print(common.machine_info(), flush=True)
     from minillm.benchmarks.flash_attention import measure_gpu
     from minillm.benchmarks.paged import kernel_paging_cost
-    from minillm.benchmarks.quant import kernel_benchmark
+    from minillm.benchmarks.quant import end_to_end_decode, kernel_benchmark
 
     step("w4a16-kernel", lambda: kernel_benchmark(quick=False))
     step("paged-kernel", lambda: {"rows": kernel_paging_cost([(1, 4096), (8, 1024), (32, 2048), (64, 4096)])})
     step("flash-attention-kernel", lambda: {"machine": common.machine_info(), "rows": measure_gpu(quick=False)})
+    step("decode-7b-int4", lambda: end_to_end_decode("llama2-7b", "cuda", new_tokens=64))
     budget = int(os.environ.get("GPU_TEST_SECONDS", "180"))
-    tests = ["tests/test_flash_attention.py", "tests/test_paged_attention.py", "tests/test_quant_w4a16.py"]
+    tests = ["tests/test_flash_attention.py", "tests/test_flash_attention_backward.py", "tests/test_paged_attention.py",
+             "tests/test_quant_w4a16.py", "tests/test_kernel_timing.py", "tests/test_published_models.py"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
                           capture_output=True, text=True, timeout=budget)
     (OUT / "pytest-cuda.log").write_text(proc.stdout[-20000:] + proc.stderr[-5000:])

@@ -341,3 +341,35 @@ def kernel_benchmark(quick: bool = False) -> dict:
                          "timing": int4_t["method"]})
     return {"measured": True, "gpu": torch.cuda.get_device_name(0), "copy_GB_s": copy["bytes_per_s"] / 1e9,
             "timing": copy["method"], "results": rows}
+
+
+def end_to_end_decode(shape: str = "llama2-7b", device: str = "cuda", new_tokens: int = 64, prompt_tokens: int = 16,
+                      cfg=None, repeats: int = 3) -> dict:
+    """Batch-1 greedy decode of a random-weight model of a published shape (model.published_model; or
+    `cfg`, for a small check on CPU) with fp16 weights, then the same model with int4 g128 (RTN) weights:
+    tokens/s of each (median of `repeats` runs after a warm-up, the clock read after a synchronize) and
+    the weight bytes each reads per token. Both run the same cached forward (kv_cache.generate_greedy,
+    the modules as they are), so only the weights differ; on CUDA the int4 layers run the fused W4A16 kernel."""
+    from ..kv_cache import generate_greedy
+    from ..model import published_model, random_model_on
+    from ..quant import quantize_model
+
+    model = (random_model_on(cfg, device, torch.float16) if cfg is not None
+             else published_model(shape, device, torch.float16))
+    prompt = list(range(1, prompt_tokens + 1))
+
+    def weight_bytes() -> int:
+        return sum(t.numel() * t.element_size() for t in (*model.layers.parameters(), *model.layers.buffers()))
+
+    row = {"shape": shape if cfg is None else "custom", "device": str(device), "new_tokens": new_tokens,
+           "timing": f"perf_counter around {new_tokens}-token decodes, synchronized, median of {repeats} after a warm-up"}
+    for weights in ("fp16", "int4"):
+        if weights == "int4":
+            quantize_model(model, "int4", group_size=128)
+        generate_greedy(model, [prompt], new_tokens)                         # warm-up (autotunes the kernel)
+        seconds = common.time_median(lambda: generate_greedy(model, [prompt], new_tokens), repeats=repeats,
+                                      warmup=0, device=device)
+        row[f"{weights}_tok_s"] = new_tokens / seconds
+        row[f"{weights}_layer_weight_GB"] = weight_bytes() / 1e9
+    row["int4_vs_fp16"] = row["int4_tok_s"] / row["fp16_tok_s"]
+    return row
