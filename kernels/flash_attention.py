@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernel_args import INTERPRETED, LOG2E, MAX_HEAD_DIM, check_attention_inputs, check_kernel_device
+from minillm.kernel_args import (INTERPRETED, LOG2E, MAX_HEAD_DIM, check_attention_inputs, check_kernel_device,
+                                 override_tiles)
 
 
 @triton.jit
@@ -161,11 +162,7 @@ def triton_flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     check_kernel_device(q, k, v)
     block_d = max(16, triton.next_power_of_2(D))                            # tl.dot wants >= 16, powers of two
     config = _default_config(q.device, block_d, q.element_size())
-    for name, value in (("block_m", block_m), ("block_n", block_n)):
-        if value is not None:
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
-            config[name] = value
+    config = override_tiles(config, block_m=block_m, block_n=block_n)
 
     o = torch.empty(B, Hq, Tq, D, dtype=q.dtype, device=q.device)          # (B, Hq, Tq, D)
     lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)     # (B, Hq, Tq)

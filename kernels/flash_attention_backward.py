@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernel_args import INTERPRETED, LOG2E, MAX_HEAD_DIM, check_attention_inputs, check_kernel_device
+from minillm.kernel_args import (INTERPRETED, LOG2E, MAX_HEAD_DIM, check_attention_inputs, check_kernel_device,
+                                 override_tiles)
 
 
 @triton.jit
@@ -51,6 +52,18 @@ def _attn_bwd_preprocess(O, DO, DELTA,
                  mask=ok, other=0.0).to(tl.float32)                  # (BLOCK_M, BLOCK_D)
     delta = tl.sum(o * do, 1)                                        # (BLOCK_M,) D_i = rowsum(dO_i * O_i)
     tl.store(DELTA + bh.to(tl.int64) * Tq + offs_m, delta, mask=offs_m < Tq)
+
+
+@triton.jit
+def _recompute_p(q, k, lse, offs_m, offs_n, m_ok, Tk, pos_offset, qk_scale,
+                 CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The forward's probabilities of one (query tile, key tile) from the saved LSE (log2 units):
+    P = exp2(q k^T * scale * log2 e - lse), 0 where the row or key is padding or, if CAUSAL, in the future."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale     # (BLOCK_M, BLOCK_N), log2 units
+    keep = m_ok[:, None] & (offs_n < Tk)[None, :]
+    if CAUSAL:
+        keep = keep & (offs_n[None, :] <= (pos_offset + offs_m)[:, None])
+    return tl.where(keep, tl.math.exp2(s - lse[:, None]), 0.0)                # (BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -111,11 +124,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
             lse = tl.load(LSE + bh * Tq + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634   # (BLOCK_M,) log2 units
             delta = tl.load(DELTA + bh * Tq + offs_m, mask=m_ok, other=0.0)                     # (BLOCK_M,)
 
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # (BLOCK_M, BLOCK_N), log2 units
-            keep = m_ok[:, None] & (offs_n < Tk)[None, :]
-            if CAUSAL:
-                keep = keep & (offs_n[None, :] <= (pos_offset + offs_m)[:, None])
-            p = tl.where(keep, tl.math.exp2(s - lse[:, None]), 0.0)  # (BLOCK_M, BLOCK_N) the forward's probabilities
+            p = _recompute_p(q, k, lse, offs_m, offs_n, m_ok, Tk, pos_offset, qk_scale, CAUSAL, DOT_PRECISION)
             dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)               # (BLOCK_M, BLOCK_N)
             ds = p * (dp - delta[:, None])                           # (BLOCK_M, BLOCK_N) softmax backward; 0 off-mask
@@ -178,11 +187,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale     # (BLOCK_M, BLOCK_N), log2 units
-        keep = m_ok[:, None] & (offs_n < Tk)[None, :]
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= (pos_offset + offs_m)[:, None])
-        p = tl.where(keep, tl.math.exp2(s - lse[:, None]), 0.0)      # (BLOCK_M, BLOCK_N)
+        p = _recompute_p(q, k, lse, offs_m, offs_n, m_ok, Tk, pos_offset, qk_scale, CAUSAL, DOT_PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])                               # (BLOCK_M, BLOCK_N)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)        # (BLOCK_M, BLOCK_D)
@@ -234,11 +239,7 @@ def triton_flash_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.T
     check_kernel_device(q, k, v, o, lse, do)
     block_d = max(16, triton.next_power_of_2(D))                            # tl.dot wants >= 16, powers of two
     config = _default_config(q.device, block_d, q.element_size())
-    for name, value in (("block_m", block_m), ("block_n", block_n)):
-        if value is not None:
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
-            config[name] = value
+    config = override_tiles(config, block_m=block_m, block_n=block_n)
     bm, bn = config["block_m"], config["block_n"]
     lse = lse.contiguous()                                                 # indexed as (B * Hq, Tq) rows
     launch = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])

@@ -73,6 +73,16 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
 W4A16_MODES = {"int-sym": 0, "int-zero": 1, "nf4": 2}     # the kernel's MODE: how a 4-bit code becomes a weight
 
 
+def override_tiles(config: dict, **tiles) -> dict:
+    """config with the caller's tile sizes (block_m=, block_n=; None keeps the default), each a power of two >= 16."""
+    for name, value in tiles.items():
+        if value is not None:
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
+            config[name] = value
+    return config
+
+
 def w4a16_tile_k(group: int) -> int:
     """Largest tile width in (128, 64, 32) that divides the group (a tile never spans two groups)."""
     for bk in (128, 64, 32):

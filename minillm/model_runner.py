@@ -224,6 +224,10 @@ class ModelRunner:
         self.use_triton = kv.k.device.type == "cuda" and not kv.quantized
         self._buffers = [torch.empty(0, dtype=kv.k.dtype, device=kv.k.device) for _ in range(2)]
 
+    def drop_prepacked(self) -> None:
+        """Run on plain F.linear from now on (frees the packed copies; bench engine-step compares)."""
+        self.packed_layers, self.packed_head = None, None
+
     def _prepack(self, rows: int | None) -> tuple[list | None, prepacked.PrepackedLinear | None]:
         """-> per layer (wqkv, wo, w_gate_up, w_down) prepacked, and the tied LM head; or Nones."""
         model = self.model

@@ -65,9 +65,7 @@ def prepack_or_none(module, rows: int) -> PrepackedLinear | None:
     return PrepackedLinear(weight.detach(), rows)
 
 
-def lm_head(packed: PrepackedLinear | None, model, h: torch.Tensor) -> torch.Tensor:
-    """model.logits(h) for h (K, dim), through the prepacked tied embedding where there is one."""
-    if packed is None:
-        return model.logits(h)
+def lm_head(packed: PrepackedLinear, model, h: torch.Tensor) -> torch.Tensor:
+    """model.logits(h) for h (K, dim), through the prepacked tied embedding."""
     return packed(model.norm(h))
 

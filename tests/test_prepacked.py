@@ -54,7 +54,7 @@ def test_engine_runs_prepacked_gemms_and_gives_the_unpacked_tokens(monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain = tiny_llm(max_num_seqs=6)
     runner = plain.engine.runner
-    runner.packed_layers, runner.packed_head = runner._prepack(None)
+    runner.drop_prepacked()
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
 
     llm = tiny_llm(max_num_seqs=6)
@@ -75,7 +75,7 @@ def test_engine_runs_prepacked_gemms_and_gives_the_unpacked_tokens(monkeypatch):
 def test_bf16_engine_prepacked_logits_match_unpacked():
     llm, plain = tiny_llm(torch.bfloat16, max_num_seqs=4), tiny_llm(torch.bfloat16, max_num_seqs=4)
     runner = plain.engine.runner
-    runner.packed_layers, runner.packed_head = runner._prepack(None)
+    runner.drop_prepacked()
     prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 30, 12, 2], 200)]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=5)
     a = llm.generate(prompts, params, use_tqdm=False)

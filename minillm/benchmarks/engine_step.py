@@ -64,8 +64,7 @@ def compare(base_llm, hf_fp32, dtype_name: str, batch: int, cfg: dict) -> dict:
     model = copy.deepcopy(base_llm.model).to(dtype)
     llm = LLM(model=model, tokenizer=tokenizer, device="cpu", max_num_seqs=batch)
     unpacked = LLM(model=model, tokenizer=tokenizer, device="cpu", max_num_seqs=batch)
-    runner = unpacked.engine.runner
-    runner.packed_layers, runner.packed_head = runner._prepack(None)
+    unpacked.engine.runner.drop_prepacked()
     hf = copy.deepcopy(hf_fp32).to(dtype)
     n = cfg["new_tokens"]
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
