@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum < requirements.txt | cut -d' ' -f1)
 
-.PHONY: demo test setup model gpu-check
+.PHONY: demo test setup model gpu-carry gpu-check gpu-notebooks
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +25,15 @@ demo: model
 test: model
 	$(PY) -m pytest tests
 
-# On a lent CUDA GPU (no pip there: gguf travels as a wheel in .whl/, see tools/gpu_check.py)
+# A lent CUDA GPU has no package index: `make gpu-carry` here fills .gpu/ (wheels, the model in halves);
+# there, call 1 `make gpu-check` (carry .gpu/wheels .gpu/model.1), then at once call 2 `make gpu-notebooks`
+# (carry .gpu/model.2). tools/gpu_check.py says what each runs.
+gpu-carry: model
+	$(PY) tools/gpu_carry.py
+
 gpu-check:
-	python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-	PYTHONPATH=/tmp/site:. python3 tools/gpu_check.py
+	-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/wheels/*.whl
+	PYTHONPATH=/tmp/site:. python3 tools/gpu_check.py kernels
+
+gpu-notebooks:
+	PYTHONPATH=/tmp/site:. python3 tools/gpu_check.py notebooks

@@ -29,6 +29,7 @@ from collections import deque
 import torch
 
 from .block_manager import BlockManager
+from .cuda_graphs import check_enforce_eager, make_decode_graphs
 from .model_runner import GROUP_COST_BLOCKS, KV_CACHE_DTYPES, ModelRunner, PagedKVCache, build_batch
 from .request import Request, RequestStatus
 from .scheduler import Scheduler
@@ -78,18 +79,26 @@ class Engine:
     def __init__(self, llm, block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
-                 kv_cache_dtype: str = "auto", prefix_cache: str = "hash", speculation=None):
+                 kv_cache_dtype: str = "auto", prefix_cache: str = "hash", speculation=None,
+                 enforce_eager: bool = False, triton_on_cpu: bool = False):
+        """enforce_eager False: decode-only steps replay CUDA graphs where the runner uses the Triton
+        paged path (minillm/cuda_graphs.py). triton_on_cpu: that path on CPU under TRITON_INTERPRET=1 (tests)."""
         cfg, dtype = llm.config, llm.model.embed.weight.dtype
         num_kv_blocks = check_engine_args(llm, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
                                           kv_cache_dtype, enable_chunked_prefill)
+        check_enforce_eager(enforce_eager)
         self.llm = llm
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching, prefix_cache)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    enable_chunked_prefill)
         if getattr(llm, "parallel", None) is None:
             self.kv = PagedKVCache(cfg, num_kv_blocks, block_size, dtype, llm.device, kv_cache_dtype)
-            self.runner = ModelRunner(llm.model, self.kv, llm.rope, prepack_rows=max_num_seqs)
-        else:           # tensor/pipeline parallel: every rank builds its part of the cache (minillm/parallel)
+            self.runner = ModelRunner(llm.model, self.kv, llm.rope, prepack_rows=max_num_seqs,
+                                      triton_on_cpu=triton_on_cpu)
+            if not enforce_eager and speculation is None:     # drafts make multi-token rows: eager
+                self.runner.graphs = make_decode_graphs(self.runner, max_num_seqs,
+                                                        math.ceil(llm.max_model_len / block_size))
+        else:           # tensor/pipeline parallel: each rank builds its part of the cache (minillm/parallel); no graphs
             self.kv, self.runner = llm.parallel.start_engine(llm.model, llm.rope, num_kv_blocks, block_size,
                                                              kv_cache_dtype)
         # model_runner.group_by_length, for CPU attention; the GPU kernel takes every row at once

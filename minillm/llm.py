@@ -19,6 +19,7 @@ import torch
 from .fast_decode import forward_fast, forward_quantized, fuse_projections, is_fused, quantized_step_ready
 from .kv_cache import KVCache, forward_cached
 from .block_manager import check_prefix_cache
+from .cuda_graphs import check_enforce_eager
 from .engine import Engine, check_engine_args
 from .speculative_engine import EngineSpeculation
 from .loader import load_model, resolve_device
@@ -43,7 +44,7 @@ class LLM:
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
                  kv_cache_dtype: str = "auto", prefix_cache: str = "hash", tokenizer=None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 speculative_policy: str = "adaptive"):
+                 speculative_policy: str = "adaptive", enforce_eager: bool = False):
         """model: "smollm2", a .gguf path or an HF folder; or an already-built minillm Llama
         module together with its `tokenizer` (tests use a tiny random model this way).
         prefix_cache: the index enable_prefix_caching uses, "hash" (vLLM's block hashes) or
@@ -52,7 +53,9 @@ class LLM:
         processes (minillm/parallel, lesson 11), started here and stopped by close().
         speculative_method with several requests: drafts are verified inside the batching engine;
         speculative_policy "adaptive" gives each request as many drafts as pay at the step's batch
-        size (minillm/speculative_engine.py), "always" num_speculative_tokens every step."""
+        size (minillm/speculative_engine.py), "always" num_speculative_tokens every step.
+        enforce_eager: False (vLLM's default) replays a CUDA graph for every decode-only step on a GPU
+        (minillm/cuda_graphs.py); True runs every step op by op."""
         from .model import Llama
         from .quant import METHODS as QUANT_METHODS
 
@@ -60,6 +63,7 @@ class LLM:
             raise ValueError(f"quantization = {quantization!r} is not supported; allowed: None, "
                              f"{', '.join(map(repr, QUANT_METHODS))}")
         check_prefix_cache(prefix_cache, enable_prefix_caching)         # before the model loads
+        check_enforce_eager(enforce_eager)
         self.parallel = None
         mode, size = _parallel_mode(tensor_parallel_size, pipeline_parallel_size, quantization, speculative_method)
         if speculative_method is not None:
@@ -94,7 +98,7 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 enable_chunked_prefill=enable_chunked_prefill,
                                 enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
-                                prefix_cache=prefix_cache)
+                                prefix_cache=prefix_cache, enforce_eager=enforce_eager)
         check_engine_args(self, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, kv_cache_dtype,
                           enable_chunked_prefill)
         self._engine = None                  # built on first use: it allocates the KV pool
@@ -133,9 +137,10 @@ class LLM:
         evaluate.calibration_text(), which the perplexity evaluation never sees. On a CPU the LM head
         gets an int8 copy too (quant.quantize_lm_head): torch's int8 kernel reads it at batch 1, where
         the full-precision head would be the largest read of every decode step."""
-        from .quant import calibration_windows, quantize_model
+        from .quant import LLM_CALIBRATION_WINDOWS, calibration_windows, quantize_model
 
-        ids = calibration_windows(self.tokenizer) if method in ("gptq", "awq") else None
+        n_windows = LLM_CALIBRATION_WINDOWS.get(method)
+        ids = calibration_windows(self.tokenizer, n_windows) if n_windows else None
         quantize_model(self.model, method, calibration_ids=ids, lm_head="int8" if self.device.type == "cpu" else None)
 
     @property

@@ -19,6 +19,7 @@ Only attention needs to know where one request ends and the next begins:
   with an offset (query t sees keys 0..start + t).
 
 Compared with forward_fast (the contiguous batch-1 path) what is new is marked  # NEW: paged.
+A step whose every row is one decode token replays a CUDA graph on a GPU (minillm/cuda_graphs.py).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import prepacked
+from .kernel_args import INTERPRETED
 from .fast_decode import is_fused, linear, lm_head, rms_norm
 from .model import Llama, ModelConfig
 from .paged_attention import block_table_tensor, copy_blocks, gather_kv, store_kv_reference
@@ -214,14 +216,21 @@ def _decode_group(members: list[tuple[int, int, int, list[int]]], block_size: in
 class ModelRunner:
     """Runs PagedBatches of one model over one PagedKVCache."""
 
-    def __init__(self, model: Llama, kv: PagedKVCache, rope: RopeTable, prepack_rows: int | None = None):
+    def __init__(self, model: Llama, kv: PagedKVCache, rope: RopeTable, prepack_rows: int | None = None,
+                 triton_on_cpu: bool = False):
         """prepack_rows: on CPU, lay the float weights out once for batches of about this many rows
-        (minillm/prepacked.py; the engine passes max_num_seqs); None: plain F.linear."""
+        (minillm/prepacked.py; the engine passes max_num_seqs); None: plain F.linear.
+        triton_on_cpu: run the GPU path (Triton store + paged decode kernel) on CPU tensors under
+        TRITON_INTERPRET=1, so that tests on a CPU machine cover what a GPU runs."""
         self.model, self.kv, self.rope = model, kv, rope
         self.fused = is_fused(model)            # fused QKV / gate-up (not for quantised models)
         self.packed_layers, self.packed_head = self._prepack(prepack_rows)
+        if triton_on_cpu and kv.k.device.type == "cpu" and not INTERPRETED:
+            raise ValueError("triton_on_cpu=True needs TRITON_INTERPRET=1 in the environment before minillm "
+                             "is imported (the Triton kernels run on CPU only in the interpreter)")
         # the Triton kernels read the model's dtype from the blocks; an int8/fp8 cache takes the gather path
-        self.use_triton = kv.k.device.type == "cuda" and not kv.quantized
+        self.use_triton = (kv.k.device.type == "cuda" or triton_on_cpu) and not kv.quantized
+        self.graphs = None                      # NEW: CUDA graphs; a cuda_graphs.DecodeGraphs set by the engine
         self._buffers = [torch.empty(0, dtype=kv.k.dtype, device=kv.k.device) for _ in range(2)]
 
     def drop_prepacked(self) -> None:
@@ -252,9 +261,21 @@ class ModelRunner:
                 self._buffers[i] = torch.empty(n, dtype=buf.dtype, device=buf.device)
         return tuple(buf[:n].view(shape) for buf in self._buffers)
 
+    @property
+    def graph_replays(self) -> int:
+        """How many steps replayed a CUDA graph (0 without graphs): tests prove the graph path ran."""
+        return 0 if self.graphs is None else self.graphs.replays
+
     @torch.no_grad()
     def forward(self, batch: PagedBatch) -> torch.Tensor:
         """-> logits (K, V) of batch.logits_rows."""
+        if self.graphs is not None and self.graphs.fits(batch):         # NEW: CUDA graphs, decode-only steps
+            return self.graphs.run(batch)
+        return self.forward_eager(batch)
+
+    @torch.no_grad()
+    def forward_eager(self, batch: PagedBatch) -> torch.Tensor:
+        """-> logits (K, V) of batch.logits_rows, op by op (a CUDA graph records this)."""
         h = self.forward_layers(self.model.embed(batch.tokens), batch)   # (N, dim)
         if self.packed_head is not None:                                 # NEW: prepacked
             return prepacked.lm_head(self.packed_head, self.model, h[batch.logits_rows])

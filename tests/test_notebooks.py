@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from minillm import notebook
+
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 # Printed booleans "<label>: True" (or "<label>=True"): each label must appear, and be True every time.
@@ -101,3 +103,29 @@ def test_every_lesson_has_a_notebook():
     for lesson in lessons:
         number = lesson.name[:2]
         assert any(p.name.startswith(number + "_") for p in NOTEBOOKS), f"{lesson.name} has no notebook"
+
+
+def readme_notebook_machines(readme: str, heading: str) -> dict[str, str]:
+    """A README's learning-path table: lesson number -> its last column, where the notebook's outputs come from."""
+    text = (Path(__file__).parent.parent / readme).read_text()
+    table = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip().strip("|").split("|") for line in table.splitlines() if re.match(r"\| \d\d \|", line)]
+    return {cells[0].strip(): cells[-1].strip() for cells in rows}
+
+
+@pytest.mark.parametrize("readme, heading", [("README.md", "## Learning path"), ("README.zh.md", "## 学习路线")])
+def test_readme_names_the_machine_that_produced_each_committed_notebook(readme, heading):
+    """Read from each notebook's first printed line (minillm.notebook.start), so that a notebook committed
+    from a CPU run is never presented as a GPU's."""
+    said = readme_notebook_machines(readme, heading)
+    for path in NOTEBOOKS:
+        assert said.get(path.name[:2]) == notebook.produced_on(path), f"{readme}: {path.name}"
+
+
+def test_produced_on_refuses_a_notebook_without_the_machine_line(tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("print(1)", outputs=[nbformat.v4.new_output("stream", text="1\n")])]
+    nbformat.write(nb, tmp_path / "x.ipynb")
+    with pytest.raises(ValueError, match="machine line"):
+        notebook.produced_on(tmp_path / "x.ipynb")

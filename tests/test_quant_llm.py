@@ -22,9 +22,16 @@ N_TOKENS = 4
 
 @pytest.fixture
 def tiny_calibration(monkeypatch):
-    """LLM calibrates GPTQ and AWQ on quant.calibration_windows(tokenizer): here one 64-token window."""
-    full = quant.calibration_windows
-    monkeypatch.setattr(quant, "calibration_windows", lambda tokenizer: full(tokenizer, n_windows=1, window=64))
+    """LLM calibrates GPTQ and AWQ on quant.calibration_windows(tokenizer, n): here one 64-token window.
+    -> the window counts LLM asked for, in order."""
+    full, asked = quant.calibration_windows, []
+
+    def one_window(tokenizer, n_windows):
+        asked.append(n_windows)
+        return full(tokenizer, n_windows=1, window=64)
+
+    monkeypatch.setattr(quant, "calibration_windows", one_window)
+    return asked
 
 
 def quantized_llm(llm, method, n_layers=None):
@@ -51,6 +58,7 @@ def test_data_free_quantized_llm_engine_equals_naive_decode(llm, method, fmt):
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_calibrated_quantized_llm_engine_equals_naive_decode(llm, tiny_calibration, method):
     q = quantized_llm(llm, method, n_layers=2)
+    assert tiny_calibration == [{"gptq": 32, "awq": 8}[method]]   # GPTQ over-fits 8 windows (bench calibration)
     if method == "gptq":                                           # act-order by default: codes stored permuted
         assert all("perm" in m.tensor_names for m in q.model.layers.modules() if isinstance(m, QuantLinear))
     else:

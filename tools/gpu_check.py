@@ -1,13 +1,24 @@
-"""One prepared run on a lent CUDA GPU (`make gpu-check`): the GPU-only measurements and the CUDA
-kernel tests, each step time-boxed, every result written under $OUT (default results/gpu/) as soon
-as it exists, so that a lease running out still leaves the finished parts.
+"""The prepared runs on a lent CUDA GPU: two calls of one lease, each time-boxed, every result written
+under $OUT (default results/gpu/) as soon as it exists, so that a lease running out still leaves the
+finished parts. Here, first: `make gpu-carry` (tools/gpu_carry.py fills .gpu/, ignored by git).
 
+Call 1, `make gpu-check` (carry .gpu/wheels and .gpu/model.1): no model file needed
     1. W4A16 (Triton, int4 g128) vs fp16 cuBLAS matmul at batch 1..64, Llama-2-7B's shapes, and the
        card's copy bandwidth the int4 GB/s are compared with
     2. paged decode kernel on scattered 16-token pages vs the same kernel on contiguous memory
     3. FlashAttention (Triton) vs naive vs torch SDPA (flash backend): ms and TFLOP/s, N = 1K..16K
     4. end to end: a random-weight Llama-2-7B shape decoding at batch 1 with fp16 then int4 weights
-    5. pytest on the kernel tests (they run on CUDA when it is present), the Triton backward included
+    5. the engine on GPU-sized random models (benchmarks/gpu_engine.py): 7B batch-1 decode against the HBM
+       bound, eager vs CUDA graphs; continuous batching vs transformers on a 1B; decode tok/s vs batch to 512
+    6. pytest on the kernel tests (they run on CUDA when it is present), the Triton backward included
+    It also installs the wheels into /tmp/site and keeps the model's first half in /tmp/minillm-gpu.
+Call 2, `make gpu-notebooks`, right after (carry .gpu/model.2; a warm machine keeps /tmp):
+    7. the model joined from its halves (sha256 checked by minillm.loader)
+    8. pytest on the engine's CUDA tests (Triton paged attention, CUDA graphs)
+    9. every notebook executed in full mode, in order, while the time box lasts: $OUT/notebooks.tar
+       (one file: a call returns at most 8) and $OUT/notebooks.json (seconds and status of each)
+Back here: `python tools/gpu_check.py unpack DIR` puts DIR's notebooks into notebooks/ and its JSON
+files into results/gpu/.
 
 Every kernel is timed by minillm/benchmarks/kernel_timing.py (CUDA events, L2 flushed before each
 sample; each JSON row names its method). The files it writes are *-kernel.json; the older
@@ -18,13 +29,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tarfile
 import time
 import traceback
 from pathlib import Path
 
-OUT = Path(os.environ.get("OUT", "results/gpu"))
+ROOT = Path(__file__).resolve().parent.parent
+OUT = Path(os.environ.get("OUT", ROOT / "results" / "gpu"))
+KEEP = Path("/tmp/minillm-gpu")              # survives between the two calls while the machine is warm
+NOTEBOOK_ORDER = ["01", "02", "05", "06", "07", "04", "03", "08", "09", "12", "10", "11"]   # GPU-heavy first
+KERNEL_TESTS = ["tests/test_flash_attention.py", "tests/test_flash_attention_backward.py",
+                "tests/test_paged_attention.py", "tests/test_quant_w4a16.py", "tests/test_kernel_timing.py",
+                "tests/test_published_models.py"]
+ENGINE_TESTS = ["tests/test_engine_cuda.py", "tests/test_cuda_graphs.py"]
 
 
 def save(name: str, payload) -> None:
@@ -33,37 +54,158 @@ def save(name: str, payload) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] wrote {name}.json", flush=True)
 
 
-def step(name: str, fn) -> None:
+class StepTimeout(Exception):
+    pass
+
+
+def _raise_timeout(signum, frame):
+    raise StepTimeout
+
+
+def step(name: str, fn, limit_s: int) -> None:
+    """Run one measurement inside its own time box (SIGALRM), so that one slow step cannot eat the lease."""
     t0 = time.perf_counter()
+    signal.signal(signal.SIGALRM, _raise_timeout)
+    signal.alarm(limit_s)
     try:
         save(name, {"seconds": None, **fn()})
+    except StepTimeout:
+        save(name, {"error": f"time box of {limit_s} s spent"})
     except Exception:                                  # keep going: the next step may still work
         save(name, {"error": traceback.format_exc()})
+    finally:
+        signal.alarm(0)
     print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def main() -> None:
+def run_pytest(tests: list[str], log_name: str, budget_s: int) -> None:
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                              capture_output=True, text=True, timeout=budget_s, cwd=ROOT)
+        text = proc.stdout[-20000:] + proc.stderr[-5000:]
+    except subprocess.TimeoutExpired as e:
+        text = f"TIMED OUT after {budget_s} s\n" + (e.stdout or b"").decode()[-20000:]
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / log_name).write_text(text)
+    print(text[-1500:], flush=True)
+
+
+def keep_model_half(carried: Path = ROOT / ".gpu" / "model.1") -> None:
+    if carried.is_file():
+        KEEP.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(carried, KEEP / "model.1")
+
+
+def join_model(second: Path = ROOT / ".gpu" / "model.2", keep: Path = KEEP) -> Path:
+    """The GGUF from its two halves, in MINILLM_CACHE; the loader checks its sha256."""
+    from minillm.loader import SMOLLM2, cache_dir
+    first = keep / "model.1"
+    if not first.is_file() or not second.is_file():
+        raise FileNotFoundError(f"need {first} (left by call 1, `make gpu-check`, on this warm machine) and "
+                                f"{second} (carried by this call); run `make gpu-carry` here first")
+    target = cache_dir() / SMOLLM2["file"]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target, "wb") as out:
+        for part in (first, second):
+            with open(part, "rb") as src:
+                shutil.copyfileobj(src, out)
+    return target
+
+
+def execute_notebooks(paths: list[Path], out_dir: Path, budget_s: float, cell_timeout_s: int = 300) -> list[dict]:
+    """Execute each notebook in full mode (its folder as working directory), in order, while the budget
+    lasts; after each one, rewrite out_dir/notebooks.tar (executed copies) and notebooks.json."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    env_quick = os.environ.pop("MINILLM_QUICK", None)     # full mode: the kernel inherits this environment
+    done, staging, t_start = [], out_dir / "executed", time.perf_counter()
+    staging.mkdir(parents=True, exist_ok=True)
+    try:
+        for path in paths:
+            left = budget_s - (time.perf_counter() - t_start)
+            if left < 30:
+                done.append({"notebook": path.name, "status": "not run: time box spent"})
+                continue
+            nb = nbformat.read(path, as_version=4)
+            t0 = time.perf_counter()
+            try:
+                NotebookClient(nb, timeout=int(min(cell_timeout_s, left)), kernel_name="python3",
+                               resources={"metadata": {"path": str(path.parent)}}).execute()
+                status = "ok"
+            except Exception as e:                         # keep the outputs so far; say what stopped it
+                status = f"error: {type(e).__name__}: {str(e)[-300:]}"
+            nbformat.write(nb, staging / path.name)
+            done.append({"notebook": path.name, "status": status, "seconds": round(time.perf_counter() - t0, 1)})
+            with tarfile.open(out_dir / "notebooks.tar", "w") as tar:
+                for executed in sorted(staging.glob("*.ipynb")):
+                    tar.add(executed, arcname=executed.name)
+            (out_dir / "notebooks.json").write_text(json.dumps(done, indent=2) + "\n")
+            print(f"[{time.strftime('%H:%M:%S')}] {path.name}: {status} ({done[-1]['seconds']} s)", flush=True)
+    finally:
+        if env_quick is not None:
+            os.environ["MINILLM_QUICK"] = env_quick
+    (out_dir / "notebooks.json").write_text(json.dumps(done, indent=2) + "\n")
+    shutil.rmtree(staging)
+    return done
+
+
+def ordered_notebooks(folder: Path = ROOT / "notebooks") -> list[Path]:
+    by_number = {p.name[:2]: p for p in folder.glob("*.ipynb")}
+    return [by_number[n] for n in NOTEBOOK_ORDER if n in by_number] + \
+           sorted(p for n, p in by_number.items() if n not in NOTEBOOK_ORDER)
+
+
+def unpack(folder: Path) -> None:
+    """Here, after the lease: executed notebooks into notebooks/, JSON and logs into results/gpu/."""
+    folder = Path(folder)
+    tar_path = folder / "notebooks.tar"
+    if tar_path.is_file():
+        with tarfile.open(tar_path) as tar:
+            for member in tar.getmembers():
+                if member.isfile() and member.name.endswith(".ipynb") and "/" not in member.name:
+                    (ROOT / "notebooks" / member.name).write_bytes(tar.extractfile(member).read())
+                    print("notebooks/" + member.name)
+    for f in sorted(folder.iterdir()):
+        if f.suffix in (".json", ".log"):
+            shutil.copyfile(f, ROOT / "results" / "gpu" / f.name)
+            print("results/gpu/" + f.name)
+
+
+def kernels() -> None:
     import torch
 
     from minillm.benchmarks import common
     print(common.machine_info(), flush=True)
+    keep_model_half()
+    from minillm.benchmarks import gpu_engine
     from minillm.benchmarks.flash_attention import measure_gpu
     from minillm.benchmarks.paged import kernel_paging_cost
     from minillm.benchmarks.quant import end_to_end_decode, kernel_benchmark
 
-    step("w4a16-kernel", lambda: kernel_benchmark(quick=False))
-    step("paged-kernel", lambda: {"rows": kernel_paging_cost([(1, 4096), (8, 1024), (32, 2048), (64, 4096)])})
-    step("flash-attention-kernel", lambda: {"machine": common.machine_info(), "rows": measure_gpu(quick=False)})
-    step("decode-7b-int4", lambda: end_to_end_decode("llama2-7b", "cuda", new_tokens=64))
-    budget = int(os.environ.get("GPU_TEST_SECONDS", "180"))
-    tests = ["tests/test_flash_attention.py", "tests/test_flash_attention_backward.py", "tests/test_paged_attention.py",
-             "tests/test_quant_w4a16.py", "tests/test_kernel_timing.py", "tests/test_published_models.py"]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
-                          capture_output=True, text=True, timeout=budget)
-    (OUT / "pytest-cuda.log").write_text(proc.stdout[-20000:] + proc.stderr[-5000:])
-    print(proc.stdout[-1500:], flush=True)
+    step("w4a16-kernel", lambda: kernel_benchmark(quick=False), 60)
+    step("paged-kernel", lambda: {"rows": kernel_paging_cost([(1, 4096), (8, 1024), (32, 2048), (64, 4096)])}, 30)
+    step("flash-attention-kernel", lambda: {"machine": common.machine_info(), "rows": measure_gpu(quick=False)}, 60)
+    step("decode-7b-int4", lambda: end_to_end_decode("llama2-7b", "cuda", new_tokens=64), 45)
+    step("gpu-engine", lambda: gpu_engine.run("cuda", quick=False), 120)
+    run_pytest(KERNEL_TESTS, "pytest-cuda.log", int(os.environ.get("GPU_TEST_SECONDS", "150")))
     print("torch", torch.__version__, "cuda", torch.cuda.is_available())
 
 
+def notebooks() -> None:
+    os.environ.setdefault("MINILLM_CACHE", str(KEEP / "cache"))
+    from minillm.loader import fetch_smollm2
+    join_model()
+    print("model:", fetch_smollm2(), flush=True)           # raises if the joined file fails its sha256
+    run_pytest(ENGINE_TESTS, "pytest-engine-cuda.log", int(os.environ.get("GPU_ENGINE_TEST_SECONDS", "90")))
+    execute_notebooks(ordered_notebooks(), OUT, budget_s=float(os.environ.get("GPU_NOTEBOOK_SECONDS", "330")))
+
+
 if __name__ == "__main__":
-    main()
+    stage = sys.argv[1] if len(sys.argv) > 1 else "kernels"
+    if stage == "unpack" and len(sys.argv) == 3:
+        unpack(Path(sys.argv[2]))
+    elif stage in ("kernels", "notebooks") and len(sys.argv) == 2:
+        {"kernels": kernels, "notebooks": notebooks}[stage]()
+    else:
+        sys.exit("usage: python tools/gpu_check.py [kernels | notebooks | unpack DIR]")

@@ -25,6 +25,9 @@ from .linear import QuantLinear
 
 METHODS = ("int8", "int4", "nf4", "gptq", "awq")
 CALIBRATION_WINDOWS = 8        # token windows of calibration_text() used by GPTQ / AWQ
+# LLM(quantization=...): GPTQ over-fits its Hessians on 8 windows and loses to RTN on text of other
+# domains; on 32 it beats RTN on all four of bench calibration's. AWQ gained nothing from 32 (lesson 04).
+LLM_CALIBRATION_WINDOWS = {"gptq": 32, "awq": CALIBRATION_WINDOWS}
 CALIBRATION_WINDOW = 512       # tokens per window
 
 

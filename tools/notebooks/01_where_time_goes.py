@@ -9,19 +9,18 @@ measurements of a real model (SmolLM2-135M-Instruct) on whatever machine runs th
 Set `MINILLM_QUICK=1` to shrink the measurements (CI does); unset it for the full run.
 """),
 ("code", r"""
-import os, time
+import time
 import torch
 import matplotlib.pyplot as plt
 from minillm import roofline
 from minillm.loader import load_model
 from minillm.kv_cache import generate_greedy_naive
 from minillm.fast_decode import generate_greedy_fast
-from minillm.benchmarks.common import machine_info, time_median
+from minillm.benchmarks.common import time_median
+from minillm.notebook import start
 from minillm.benchmarks.roofline import weights_only_step
 
-QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
-device = "cuda" if torch.cuda.is_available() else "cpu"
-print(machine_info(), "| mode:", "quick (MINILLM_QUICK=1)" if QUICK else "full")
+device, QUICK = start()                        # cuda when present; prints the machine
 """),
 ("md", r"""
 ## 1. How many bytes does one token cost?
@@ -70,8 +69,9 @@ prefill's pattern). Their ratio is the **ridge point**: below that many FLOPs pe
 """),
 ("code", r"""
 reps = 3 if QUICK else 7
-bw = roofline.measure_bandwidth(128 if QUICK else 512, repeats=reps, device=device)
-fl = roofline.measure_flops(512 if QUICK else 2048, repeats=reps, device=device)
+gpu = device == "cuda"                           # a GPU gets sizes that fill it: 2 GB copies, 8192^3 matmuls
+bw = roofline.measure_bandwidth(128 if QUICK else (2048 if gpu else 512), repeats=reps, device=device)
+fl = roofline.measure_flops(512 if QUICK else (8192 if gpu else 2048), repeats=reps, device=device)
 print(f"GEMV bandwidth: {bw/1e9:.1f} GB/s   GEMM: {fl/1e9:.0f} GFLOP/s   ridge: {fl/bw:.1f} FLOP/byte")
 for name, g in roofline.GPUS.items():
     print(f"{name:10s} {g['flops']/1e12:5.0f} TFLOP/s  {g['bandwidth']/1e12:4.2f} TB/s  ridge {g['flops']/g['bandwidth']:5.0f} FLOP/byte")

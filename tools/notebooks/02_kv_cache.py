@@ -8,16 +8,15 @@ CELLS = [
 Run with `MINILLM_QUICK=1` for a fast CPU pass; unset for the full measurements.
 """),
 ("code", r"""
-import os, time
+import time
 import torch
 import matplotlib.pyplot as plt
 from minillm.loader import load_model
 from minillm.kv_cache import KVCache, forward_cached, generate_greedy, generate_greedy_naive, kv_cache_bytes
-from minillm.benchmarks.common import machine_info, time_median
+from minillm.benchmarks.common import time_median
+from minillm.notebook import start
 from minillm.benchmarks.kv_cache import step_latency, prefill_decode
-QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
-device = "cuda" if torch.cuda.is_available() else "cpu"
-print(machine_info())
+device, QUICK = start()                        # cuda when present; prints the machine
 model, tok = load_model("smollm2", dtype="float32", device=device)
 """),
 ("md", r"""
@@ -84,7 +83,7 @@ Without a cache the token at position *p* costs a forward pass over *p + 1* toke
 attending to *p* stored keys.
 """),
 ("code", r"""
-positions = [16, 64] if QUICK else [32, 128, 256, 512, 1024]
+positions = [16, 64] if QUICK else ([32, 128, 512, 2048, 4096] if device == "cuda" else [32, 128, 256, 512, 1024])
 no_cache = [1e3 * step_latency(model, p, cached=False) for p in positions]
 cache = [1e3 * step_latency(model, p, cached=True) for p in positions]
 for p, a, b in zip(positions, no_cache, cache):
@@ -116,7 +115,7 @@ Decode pushes one token per sequence through each weight (matrix × vector): it 
 bandwidth, and batching decodes is how to use the idle FLOPs.
 """),
 ("code", r"""
-shapes = [(1, 64), (8, 64)] if QUICK else [(1, 128), (1, 512), (1, 2048), (16, 128), (16, 512)]
+shapes = [(1, 64), (8, 64)] if QUICK else [(1, 128), (1, 512), (1, 2048), (16, 128), (16, 512)] + ([(64, 512), (256, 512)] if device == "cuda" else [])
 rows = [prefill_decode(model, b, L, 4 if QUICK else 16) for b, L in shapes]
 for r in rows:
     print(f"batch {r['batch']:2d} prompt {r['prompt_len']:5d}: prefill {r['prefill_tok_s']:8.0f} tok/s ({r['prefill_GFLOPs']:5.0f} GFLOP/s)   "

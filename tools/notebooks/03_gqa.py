@@ -6,15 +6,14 @@ CELLS = [
 and the article's MQA / GQA section.
 """),
 ("code", r"""
-import os
 import torch
 from minillm.gqa import grouped_attention, convert_kv_heads
 from minillm.model import naive_attention_fp32
 from minillm.benchmarks.gqa import kv_table, max_batch
 from minillm import LLM
 from minillm.evaluate import perplexity
-QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
-device = "cuda" if torch.cuda.is_available() else "cpu"
+from minillm.notebook import start
+device, QUICK = start()                        # cuda when present; prints the machine
 """),
 ("md", r"""
 ## 1. Attention over shared K/V heads, without copying them

@@ -10,7 +10,7 @@ is the benchmark `python -m minillm bench quant` (read from `results/quant.json`
 `MINILLM_QUICK=1` shrinks the calibration data (CI does); unset it for the full run.
 """),
 ("code", r"""
-import os, json, math, copy
+import json, math, copy
 from pathlib import Path
 import torch
 import matplotlib.pyplot as plt
@@ -22,12 +22,10 @@ from minillm.quant.kv_int8 import quantize_kv, dequantize_kv, kv_bytes
 from minillm.quant.sequential import SUBLAYER_GROUPS, capture_inputs
 from minillm.model import naive_attention_fp32
 from minillm.positions import rope_cos_sin
-from minillm.benchmarks.common import machine_info
+from minillm.notebook import start
 
-QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
-device = "cuda" if torch.cuda.is_available() else "cpu"
+device, QUICK = start()                        # cuda when present; prints the machine
 torch.manual_seed(0)
-print(machine_info(), "| mode:", "quick (MINILLM_QUICK=1)" if QUICK else "full")
 values = {}                                    # the figures lesson 04 quotes, saved by the last cell
 """),
 ("md", r"""

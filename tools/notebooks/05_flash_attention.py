@@ -28,13 +28,11 @@ sys.path.insert(0, str(ROOT))
 
 import matplotlib.pyplot as plt
 from minillm.benchmarks import flash_attention as bench
-from minillm.benchmarks.common import quick_mode
+from minillm.notebook import start
 from minillm.flash_attention import flash_attention, flash_attention_torch, naive_attention_in_dtype, naive_attention_in_dtype_lse
 from kernels.flash_attention import triton_flash_attention_forward
 
-device = "cuda" if torch.cuda.is_available() else "cpu"
-QUICK = quick_mode()
-print(f"device={device}  quick={QUICK}  torch {torch.__version__}")
+device, QUICK = start()                        # cuda when present; prints the machine
 """),
 ("md", r"""
 ## 1. Online softmax on four numbers
@@ -138,7 +136,7 @@ Each point is one causal forward (1 head, D=64, fp32) in a fresh process; the pe
 high-water mark (reset through `/proc/self/clear_refs`) minus the resident set before the call.
 """),
 ("code", r"""
-sizes = [512, 1024] if QUICK else [1024, 2048, 4096]
+sizes = [512, 1024] if QUICK else ([1024, 4096, 16384] if device == "cuda" else [1024, 2048, 4096])
 live = []
 for n in sizes:
     if device == "cuda":

@@ -8,15 +8,13 @@ CELLS = [
 Set `MINILLM_QUICK=1` for a fast CPU pass (CI does); unset it for the full run.
 """),
 ("code", r"""
-import os, time, math
+import time, math
 import torch
 import matplotlib.pyplot as plt
 from minillm import LLM, SamplingParams
 from minillm.block_manager import BlockManager
-from minillm.benchmarks.common import machine_info
-QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
-device = "cuda" if torch.cuda.is_available() else "cpu"
-print(machine_info(), "| quick mode" if QUICK else "")
+from minillm.notebook import start
+device, QUICK = start()                        # cuda when present; prints the machine
 """),
 ("md", r"""
 ## 1. Blocks, block tables, slots

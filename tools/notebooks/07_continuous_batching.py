@@ -8,7 +8,7 @@ CELLS = [
 Set `MINILLM_QUICK=1` for a fast CPU pass (CI does); unset it for the full run.
 """),
 ("code", r"""
-import os, time
+import time
 import numpy as np
 import torch
 import matplotlib.pyplot as plt
@@ -17,11 +17,9 @@ from minillm.outputs import RequestMetrics
 from minillm.block_manager import BlockManager
 from minillm.request import Request
 from minillm.scheduler import Scheduler
-from minillm.benchmarks.common import machine_info
+from minillm.notebook import start
 from minillm.benchmarks import batching as bb
-QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
-device = "cuda" if torch.cuda.is_available() else "cpu"
-print(machine_info(), "| quick mode" if QUICK else "")
+device, QUICK = start()                        # cuda when present; prints the machine
 """),
 ("md", r"""
 ## 1. The scheduler alone (no model)
@@ -93,7 +91,7 @@ print("hand trace vs Scheduler, same schedule:", library == by_hand)
 ## 2. The engine on SmolLM2, and the same tokens as one at a time
 """),
 ("code", r"""
-n, prange, orange = (6, (64, 160), (4, 16)) if QUICK else (16, (64, 512), (16, 128))
+n, prange, orange = (6, (64, 160), (4, 16)) if QUICK else ((64 if device == "cuda" else 16), (64, 512), (16, 128))
 llm = LLM(model="smollm2", dtype="float32", device=device, max_num_batched_tokens=256)
 prompts, outputs = bb.make_workload(llm.get_tokenizer(), n, prange, orange)
 r = bb.run_engine(llm, prompts, outputs)

@@ -15,7 +15,7 @@ of `minillm/speculative.py` on SmolLM2-135M and reads the full benchmark
 Set `MINILLM_QUICK=1` for a CI-sized run; on a GPU the same cells run on `cuda`.
 """),
 ("code", r"""
-import json, os, time
+import json, time
 from pathlib import Path
 import torch
 import matplotlib.pyplot as plt
@@ -23,9 +23,8 @@ import matplotlib.pyplot as plt
 
 from minillm.speculative import (rejection_sample, acceptance_probability, expected_tokens_per_call,
                                  expected_speedup, speculative_stream, SpecStats, make_draft)
-QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0", "false", "False")
-device = "cuda" if torch.cuda.is_available() else "cpu"
-print("device:", device, "| quick:", QUICK)
+from minillm.notebook import start
+device, QUICK = start()                        # cuda when present; prints the machine
 """),
 ("md", r"""
 ## 1. Greedy verification, by hand

@@ -12,7 +12,7 @@ It runs in a background thread of this notebook; from a shell it is
 `MINILLM_QUICK=1` shrinks the load test (CI does); unset it for the full run.
 """),
 ("code", r"""
-import os, time
+import time
 from concurrent.futures import ThreadPoolExecutor
 import httpx
 import matplotlib.pyplot as plt
@@ -20,11 +20,10 @@ import openai
 from minillm import LLM
 from minillm.server import ServerThread, build_app
 from minillm.benchmarks import serve as serve_bench
-from minillm.benchmarks.common import machine_info
+from minillm.notebook import start
 
-QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
-print(machine_info(), "| mode:", "quick (MINILLM_QUICK=1)" if QUICK else "full")
-llm = LLM(model="smollm2", dtype="float32", device="auto", max_num_seqs=32)
+device, QUICK = start()                        # cuda when present; prints the machine
+llm = LLM(model="smollm2", dtype="float32", device=device, max_num_seqs=32)
 server = ServerThread(build_app(llm, served_model_name="smollm2")).start()    # a free port on 127.0.0.1
 print("serving at", server.base_url)
 """),

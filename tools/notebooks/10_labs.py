@@ -28,7 +28,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")     # the Triton lab runs under the interpreter on CPU
 from minillm import labs
-QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
+from minillm.notebook import start
+device, QUICK = start()                          # prints the machine; the labs pick their own device
 print("grading", labs.REPO, "| mode:", "quick (MINILLM_QUICK=1): one task per lab" if QUICK else "full: every task")
 print(labs.format_lab_list())
 """),

@@ -19,8 +19,10 @@ from minillm.parallel.calculator import table, tp_bytes_per_token
 from minillm.parallel.checks import shard_vs_full
 from minillm.parallel.launch import launch
 from minillm.parallel.pipeline import bubble_fraction, gpipe_schedule
+from minillm.notebook import start
 from minillm.roofline import LLAMA3_70B
-QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
+# the ranks are CPU processes talking over gloo, on any machine: one GPU cannot host three ranks
+device, QUICK = start("cpu")
 """),
 ("md", r"""
 ## 1. The two ways to split a matrix, by hand
@@ -116,8 +118,8 @@ and all three run the same step on their shards. Greedy tokens must equal one pr
 ("code", r"""
 prompts = ["The three primary colours are", "def fibonacci(n):"]
 params = SamplingParams(temperature=0, max_tokens=6 if QUICK else 16, ignore_eos=True)
-one = [o.outputs[0].token_ids for o in LLM(model="smollm2", device="cpu").generate(prompts, params, use_tqdm=False)]
-with LLM(model="smollm2", device="cpu", tensor_parallel_size=3) as tp:
+one = [o.outputs[0].token_ids for o in LLM(model="smollm2", device=device).generate(prompts, params, use_tqdm=False)]
+with LLM(model="smollm2", device=device, tensor_parallel_size=3) as tp:
     three = [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)]
     workers = [p.pid for p in tp.parallel.processes]
 print(f"tensor_parallel_size=3 vs one process, same tokens: {one == three}")

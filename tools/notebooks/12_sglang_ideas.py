@@ -10,13 +10,12 @@ RadixAttention (a radix tree over cached tokens) and a compressed state machine 
 Set `MINILLM_QUICK=1` for a fast CPU pass (CI does); unset it for the full run.
 """),
 ("code", r"""
-import os, time
+import time
 import torch
 from minillm import LLM, SamplingParams
-from minillm.benchmarks.common import machine_info
-QUICK = os.environ.get("MINILLM_QUICK", "0") not in ("", "0")
-print(machine_info(), "| quick mode" if QUICK else "")
-llm = LLM(model="smollm2", dtype="float32", device="cpu", max_model_len=1024)
+from minillm.notebook import start
+device, QUICK = start()                        # cuda when present; prints the machine
+llm = LLM(model="smollm2", dtype="float32", device=device, max_model_len=1024)
 """),
 ("md", r"""
 ## 1. A radix tree over token ids, by hand
@@ -109,7 +108,7 @@ for workload in ("system_prompt", "branches"):
     waves = bp.WORKLOADS[workload](tok, text, quick=True)
     outputs = {}
     for mode in bp.MODES:
-        run_llm = LLM(model=llm.model, tokenizer=tok, device="cpu", max_model_len=1024, num_kv_blocks=512,
+        run_llm = LLM(model=llm.model, tokenizer=tok, device=device, max_model_len=1024, num_kv_blocks=512,
                       enable_prefix_caching=mode != "none", prefix_cache="radix" if mode == "radix" else "hash")
         r = bp.run_workload(run_llm, waves, max_tokens=4)
         outputs[mode] = r.pop("outputs")

@@ -1,0 +1,118 @@
+"""The GPU lease's plumbing, on CPU: the model travels in two halves and is joined bit for bit, notebooks
+are executed one by one inside a time box into one tar, and the results unpack where they belong."""
+import importlib.util
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from minillm import notebook
+
+ROOT = Path(__file__).parent.parent
+
+
+def load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_model_halves_join_to_the_same_bytes(tmp_path, monkeypatch):
+    carry, check = load_tool("gpu_carry"), load_tool("gpu_check")
+    from minillm.loader import SMOLLM2
+    original = tmp_path / "model.gguf"
+    original.write_bytes(bytes(range(256)) * 1001 + b"odd")          # an odd length
+    keep, carried = tmp_path / "keep", tmp_path / "carried"
+    keep.mkdir(), carried.mkdir()
+    carry.split_file(original, keep / "model.1", carried / "model.2")
+    assert 0 < (keep / "model.1").stat().st_size < original.stat().st_size
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path / "cache"))
+    joined = check.join_model(carried / "model.2", keep)
+    assert joined == tmp_path / "cache" / SMOLLM2["file"] and joined.read_bytes() == original.read_bytes()
+    with pytest.raises(FileNotFoundError, match="make gpu-carry"):
+        check.join_model(carried / "absent", keep)
+
+
+def test_the_wheel_list_is_pinned():
+    wheels = load_tool("gpu_carry").pinned_wheels()
+    assert {"nbclient", "nbformat", "ipykernel", "gguf"} <= {w.split("==")[0] for w in wheels}
+    assert all("==" in w for w in wheels)
+
+
+def tiny_notebook(path: Path, body: str) -> Path:
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("from minillm.notebook import start\ndevice, QUICK = start()"),
+                nbformat.v4.new_code_cell(body)]
+    nbformat.write(nb, path)
+    return path
+
+
+def test_notebooks_run_in_full_mode_inside_the_time_box_into_one_tar(tmp_path, monkeypatch):
+    pytest.importorskip("nbclient")
+    check = load_tool("gpu_check")
+    monkeypatch.setenv("MINILLM_QUICK", "1")                # the run must not inherit quick mode
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    src = tmp_path / "src"
+    src.mkdir()
+    good = tiny_notebook(src / "01_good.ipynb", "print('hello from', device)")
+    bad = tiny_notebook(src / "02_bad.ipynb", "print('before the error')\nraise RuntimeError('boom')")
+    late = tiny_notebook(src / "03_late.ipynb", "print('never')")
+    out = tmp_path / "out"
+    out.mkdir()
+    check.time = FakeClock(check.time, step_s=20)          # each notebook "takes" time; the third finds none
+    done = check.execute_notebooks([good, bad, late], out, budget_s=130)
+    assert [d["status"].split(":")[0] for d in done] == ["ok", "error", "not run"]
+    assert json.loads((out / "notebooks.json").read_text()) == done
+    with tarfile.open(out / "notebooks.tar") as tar:
+        assert sorted(tar.getnames()) == ["01_good.ipynb", "02_bad.ipynb"]
+        tar.extractall(tmp_path / "unpacked")
+    assert notebook.produced_on(tmp_path / "unpacked" / "01_good.ipynb").endswith(", cpu, full")
+    bad_text = (tmp_path / "unpacked" / "02_bad.ipynb").read_text()
+    assert "before the error" in bad_text and "boom" in bad_text     # the outputs up to the error are kept
+    assert not (out / "executed").exists()
+
+
+class FakeClock:
+    """time, with perf_counter advancing step_s per call so that a time box is crossed on purpose."""
+    def __init__(self, real, step_s: float):
+        self._real, self._now, self._step = real, 0.0, step_s
+
+    def perf_counter(self) -> float:
+        self._now += self._step
+        return self._now
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def test_unpack_puts_notebooks_and_results_where_they_belong(tmp_path, monkeypatch):
+    check = load_tool("gpu_check")
+    fake_root = tmp_path / "repo"
+    (fake_root / "notebooks").mkdir(parents=True)
+    (fake_root / "results" / "gpu").mkdir(parents=True)
+    monkeypatch.setattr(check, "ROOT", fake_root)
+    lease = tmp_path / "lease"
+    lease.mkdir()
+    (lease / "x.ipynb").write_text("{}")
+    with tarfile.open(lease / "notebooks.tar", "w") as tar:
+        tar.add(lease / "x.ipynb", arcname="07_x.ipynb")
+    (lease / "w4a16-kernel.json").write_text("{}")
+    (lease / "pytest-cuda.log").write_text("ok")
+    check.unpack(lease)
+    assert (fake_root / "notebooks" / "07_x.ipynb").is_file()
+    assert sorted(p.name for p in (fake_root / "results" / "gpu").iterdir()) == ["pytest-cuda.log", "w4a16-kernel.json"]
+
+
+def test_start_prints_the_machine_line_that_produced_on_reads(capsys, monkeypatch):
+    monkeypatch.setenv("MINILLM_QUICK", "1")
+    device, quick = notebook.start()
+    assert quick and device == ("cuda" if torch.cuda.is_available() else "cpu")
+    line = capsys.readouterr().out.strip()
+    assert notebook.FIRST_LINE.match(line), line
+    with pytest.raises(ValueError, match="allowed"):
+        notebook.start("tpu")
