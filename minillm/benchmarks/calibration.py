@@ -29,7 +29,7 @@ import torch
 from . import common
 
 NAME = "calibration"
-DEFAULT_N = 8                      # calibration windows LLM(quantization=...) uses (quant.CALIBRATION_WINDOWS)
+DEFAULT_N = 8                      # quant.CALIBRATION_WINDOWS (LLM's GPTQ now takes 32: quant.LLM_CALIBRATION_WINDOWS)
 MAIN_N = (DEFAULT_N, 32)           # the main grid: every source at both sizes
 QUICK_SOURCES = ("python-docs", "model-samples")
 
