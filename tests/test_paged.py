@@ -313,6 +313,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.bm.can_append_slots(seq, len(tokens)):
             return
         free_before, blocks_before = self.bm.num_free_blocks, self.bm.block_table(seq)
+        # shared before the append: copy-on-write may then give seq a private copy, a legitimate new table
+        shared = any(self.bm.pool.ref_counts[b] > 1 for b in blocks_before)
         self._copy(self.bm.append_slots(seq, tokens))
         start = self.bm.num_computed_tokens(seq)
         for p, slot in zip(range(start, len(tokens)), self.bm.slot_mapping(seq, start, len(tokens))):
@@ -322,7 +324,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.truncate(seq, kept)                       # ...and the rejected ones forgotten
         self.bm.mark_computed(seq, kept)
         self.tokens[seq] = tokens[:kept]
-        if accepted == 0 and not any(self.bm.pool.ref_counts[b] > 1 for b in blocks_before):
+        if accepted == 0 and not shared:
             assert self.bm.block_table(seq) == blocks_before and self.bm.num_free_blocks == free_before
 
     @rule(data=st.data())
