@@ -48,3 +48,14 @@ def count_calls(monkeypatch, name, *modules) -> list:
         if getattr(module, name, None) is original:
             monkeypatch.setattr(module, name, wrapper)
     return calls
+
+
+def alone(llm, prompts, params):
+    """Each request by itself on the contiguous single-sequence path (the engine tests' reference)."""
+    outs = []
+    for prompt, p in zip(prompts, params):
+        (req,) = llm.make_requests([prompt], p)
+        for _ in llm.stream_request(req):
+            pass
+        outs.append(req.output_token_ids)
+    return outs

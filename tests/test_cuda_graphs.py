@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import CharTokenizer, random_prompts
+from helpers import CharTokenizer, alone, random_prompts
 from minillm import LLM, SamplingParams
 from minillm.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for
 from minillm.engine import Engine
@@ -267,13 +267,7 @@ def reference():
     """Each request alone on the contiguous cache (the definition of right, tests/test_engine.py)."""
     llm = tiny_llm()
     prompts, params = workload(llm.config.vocab_size)
-    outs = []
-    for prompt, p in zip(prompts, params):
-        (req,) = llm.make_requests([prompt], p)
-        for _ in llm.stream_request(req):
-            pass
-        outs.append(req.output_token_ids)
-    return outs
+    return alone(llm, prompts, params)
 
 
 @interpreter

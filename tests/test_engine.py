@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from helpers import CharTokenizer, random_prompts
+from helpers import CharTokenizer, alone, random_prompts
 from minillm import LLM, SamplingParams
 from minillm.model import random_model, tiny_config
 from minillm.model_runner import group_by_length
@@ -28,17 +28,6 @@ def workload(vocab, temperature=0.0, seed=None):
     params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=seed)
               for m in MAX_TOKENS]
     return prompts, params
-
-
-def alone(llm, prompts, params):
-    """Each request by itself on the contiguous single-sequence path."""
-    outs = []
-    for prompt, p in zip(prompts, params):
-        (req,) = llm.make_requests([prompt], p)
-        for _ in llm.stream_request(req):
-            pass
-        outs.append(req.output_token_ids)
-    return outs
 
 
 def tokens(outputs):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kernels.paged_attention as paged_kernels
-from helpers import CharTokenizer, count_calls, random_prompts
+from helpers import CharTokenizer, alone, count_calls, random_prompts
 from minillm import LLM, SamplingParams
 from minillm.engine import Engine
 from minillm.kernel_args import INTERPRETED
@@ -43,17 +43,6 @@ def tiny_llm(device, **kwargs):
 def workload(vocab, lengths=LENGTHS, max_tokens=MAX_TOKENS, seed=0):
     prompts = [{"prompt_token_ids": p} for p in random_prompts(lengths, vocab, seed)]
     return prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-
-
-def alone(llm, prompts, params):
-    """Each request by itself on the contiguous single-sequence path."""
-    outs = []
-    for prompt, p in zip(prompts, params):
-        (req,) = llm.make_requests([prompt], p)
-        for _ in llm.stream_request(req):
-            pass
-        outs.append(req.output_token_ids)
-    return outs
 
 
 @functools.cache
