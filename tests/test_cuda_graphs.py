@@ -142,9 +142,19 @@ def clone_cache(kv: PagedKVCache) -> PagedKVCache:
     return copy
 
 
+def assert_same_step(padded, eager, cache, eager_cache):
+    """The padded step's logits and K/V against the eager step's. Not bit for bit: a GEMM library may
+    block M = 3 rows differently from the bucket's M = 4 and sum in another order (MKL does on the
+    2-core AMD EPYC VM, not on the Xeon one), so: equal to fp32 rounding, and the same greedy tokens."""
+    torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+    assert torch.equal(padded.argmax(-1), eager.argmax(-1))
+    torch.testing.assert_close(cache.k, eager_cache.k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.v, eager_cache.v, rtol=1e-5, atol=1e-5)
+
+
 @interpreter
 @pytest.mark.parametrize("batch_size", [1, 3, 5, 8])
-def test_padded_decode_equals_the_eager_step_and_writes_only_real_slots(batch_size):
+def test_padded_decode_matches_the_eager_step_and_writes_only_real_slots(batch_size):
     runner, batch, max_blocks = paged_setup(batch_size)
     before = clone_cache(runner.kv)
     eager = runner.forward_eager(batch)                                  # (B, V)
@@ -155,9 +165,7 @@ def test_padded_decode_equals_the_eager_step_and_writes_only_real_slots(batch_si
     assert graphs.padded_steps == 1 and graphs.replays == 0              # no recording on CPU
     real = set(batch.slot_mapping.tolist())
     assert slots_changed(before, runner.kv) == real                      # padding rows wrote nothing
-    # bit for bit: every op is row-wise, so padding rows cannot touch a real row's numbers
-    assert torch.equal(padded, eager)
-    assert torch.equal(runner.kv.k, eager_cache.k) and torch.equal(runner.kv.v, eager_cache.v)   # eager's K/V
+    assert_same_step(padded, eager, runner.kv, eager_cache)
 
 
 @interpreter
@@ -248,8 +256,7 @@ def test_recording_logic_with_a_stand_in_for_cuda_graphs(monkeypatch):
     runner.kv.k.copy_(before.k), runner.kv.v.copy_(before.v)
     padded = graphs.run(big)                                             # records bucket 8, then replays
     assert fake.warmups == 2 and list(graphs.graphs) == [8] and graphs.replays == 1
-    assert torch.equal(padded, eager)
-    assert torch.equal(runner.kv.k, eager_cache.k) and torch.equal(runner.kv.v, eager_cache.v)
+    assert_same_step(padded, eager, runner.kv, eager_cache)
     assert padded.data_ptr() != graphs.graphs[8][1].data_ptr()          # a copy, not the graph's buffer
     graphs.run(big)
     assert fake.warmups == 2 and graphs.replays == 2                    # recorded once per bucket
