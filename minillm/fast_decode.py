@@ -314,14 +314,49 @@ def decode_layer(h: torch.Tensor, attn_norm: torch.Tensor, wqkv: torch.Tensor, w
 # second step and becomes symbolic (one recompile): from then on one graph serves every step.
 _compiled_decode_layer = torch.compile(decode_layer)
 # For 2-byte weights, a second build: by default Inductor inlines the normalised input (RMSNorm) into
-# each GEMV loop and recomputes it, with the bf16 -> fp32 conversions, for every ROW. A bf16 weight is
-# only 2 bytes of memory traffic per element, so that per-row work makes the loop instruction-bound;
-# materialising any pointwise result of more than 2 ops once (in fp32) makes the GEMV loop a bare
-# load-convert-multiply-add: faster in bf16, not in fp32 (lesson 02 has the numbers).
+# each GEMV loop and recomputes it, with the bf16 -> fp32 conversions, for every ROW. Materialising any
+# pointwise result of more than 2 ops once (in fp32) makes the GEMV loop a bare load-convert-multiply-add.
+# Which build is faster depends on the CPU (lesson 02: the materialised one on the Intel Xeon VM, the
+# default one, by 2x, on the AMD EPYC VM), so the first 2-byte decode step of a process times both
+# (choose_16bit_build) and keeps the faster; fp32 always takes the default build.
 try:
     _compiled_decode_layer_16bit = torch.compile(decode_layer, options={"realize_opcount_threshold": 2})
 except RuntimeError:                      # options are checked here, at import: an Inductor without it
     _compiled_decode_layer_16bit = _compiled_decode_layer
+BUILDS_16BIT = ("default", "materialised")
+_chosen_16bit: dict[str, str] = {}        # "float" / "packed" (item 8) -> the build chosen in this process
+CHOICE_ROUNDS = 3
+
+
+def _build(name: str):
+    return _compiled_decode_layer if name == "default" else _compiled_decode_layer_16bit
+
+
+def choose_16bit_build(kind: str, run_layers) -> str:
+    """The faster 2-byte build for this machine, timed once per process and graph kind. run_layers(build)
+    runs the first decode step's layers with that build: a whole step, so that the weights stream from
+    memory as they do in use (one layer timed alone sits in the cache, and there the two builds tie).
+    Rewriting that step's K/V is harmless: the step itself runs afterwards and writes its own. Each build
+    runs once to compile, then CHOICE_ROUNDS alternating timed rounds; the lower total wins. Where
+    compiling fails, nothing is timed."""
+    import time
+
+    if kind not in _chosen_16bit:
+        for name in BUILDS_16BIT:                                          # compile both
+            run_layers(_build(name))
+        totals = dict.fromkeys(BUILDS_16BIT, 0.0)
+        for _ in range(CHOICE_ROUNDS if _compiler_broken is None else 0):
+            for name in BUILDS_16BIT:
+                t0 = time.perf_counter()
+                run_layers(_build(name))
+                totals[name] += time.perf_counter() - t0
+        _chosen_16bit[kind] = min(BUILDS_16BIT, key=totals.get)
+    return _chosen_16bit[kind]
+
+
+def chosen_16bit_builds() -> dict[str, str]:
+    """What choose_16bit_build picked in this process (benchmarks write it into their JSON)."""
+    return dict(_chosen_16bit)
 
 
 def can_compile_step(model: Llama, device) -> bool:
@@ -337,9 +372,18 @@ def _decode_compiled(model: Llama, token: torch.Tensor, cache: KVCache, rope: Ro
                                                                           # then matches the others' guards
     cos_sin = torch.view_as_real(rope.rotation[pos])                      # (D/2, 2)
     k_layers, v_layers = cache.k[:, 0].unbind(0), cache.v[:, 0].unbind(0)  # L x (Hkv, max_len, D) views
-    compiled = _compiled_decode_layer_16bit if h.element_size() == 2 else _compiled_decode_layer
-    for weights, k_cache, v_cache in zip(model._decode_weights, k_layers, v_layers):
-        h = _run_compiled(compiled, decode_layer, h, *weights, k_cache, v_cache, cos_sin, pos, cfg.n_heads, cfg.norm_eps)
+
+    def run_layers(compiled, h=h):
+        for weights, k_cache, v_cache in zip(model._decode_weights, k_layers, v_layers):
+            h = _run_compiled(compiled, decode_layer, h, *weights, k_cache, v_cache, cos_sin, pos, cfg.n_heads,
+                              cfg.norm_eps)
+        return h
+
+    compiled = _compiled_decode_layer
+    if h.element_size() == 2:
+        kind = "packed" if isinstance(model._decode_weights[0][1], tuple) else "float"
+        compiled = _build(choose_16bit_build(kind, run_layers))
+    h = run_layers(compiled)
     cache.lengths[0] = pos + 1
     return lm_head(model, h.view(1, -1), "compiled")                     # (1, V); torch.mv if compiling failed
 

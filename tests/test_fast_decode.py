@@ -255,3 +255,35 @@ def test_a_deepcopied_fused_model_is_fused_again():
     assert is_fused(twin)
     tokens = torch.tensor([[1, 2, 3, 4]])
     assert torch.equal(twin(tokens), model(tokens))
+
+
+def test_the_faster_16bit_build_is_chosen_once_per_process_on_whole_steps(monkeypatch):
+    """choose_16bit_build times whole first steps (every layer) with each build, keeps the faster for
+    the rest of the process, and leaves no trace in the tokens. Stand-ins: the 'materialised' build is
+    made slower by a sleep; both run decode_layer itself."""
+    import time
+
+    calls = []
+
+    def build(name, delay):
+        def run(*args):
+            calls.append(name)
+            time.sleep(delay)
+            return fast_decode.decode_layer(*args)
+        return run
+    monkeypatch.setattr(fast_decode, "_compiled_decode_layer", build("default", 0.0))
+    monkeypatch.setattr(fast_decode, "_compiled_decode_layer_16bit", build("materialised", 0.002))
+    monkeypatch.setattr(fast_decode, "_chosen_16bit", {})
+    model = fuse_projections(random_model(tiny_config(), seed=6, dtype=torch.bfloat16))
+    prompt, n_new, n_layers = [5, 6, 7, 8], 5, model.cfg.n_layers
+    chosen = generate_greedy_fast(model, prompt, n_new, compiled_step=True)
+    assert fast_decode.chosen_16bit_builds() == {"float": "default"}
+    timed = (1 + fast_decode.CHOICE_ROUNDS) * n_layers                    # compile + timed rounds, whole steps
+    assert calls.count("materialised") == timed
+    assert calls.count("default") == timed + (n_new - 1) * n_layers      # then every decode step: the winner
+    calls.clear()
+    assert generate_greedy_fast(model, prompt, n_new, compiled_step=True) == chosen   # timing wrote nothing lasting
+    assert calls == ["default"] * (n_new - 1) * n_layers                  # chosen once per process
+    fp32 = fuse_projections(random_model(tiny_config(), seed=6))
+    generate_greedy_fast(fp32, prompt, n_new, compiled_step=True)
+    assert fast_decode.chosen_16bit_builds() == {"float": "default"}      # fp32 takes the default build untimed
