@@ -188,6 +188,8 @@ def run(quick: bool) -> dict:
         summary["bandwidth_bound_fraction"][dtype_name] = row["fraction_of_bound"]
     gen = [r for r in results if r["part"] == "generate"]
     summary["cache_speedup_at_max_tokens"] = gen[-1]["speedup"]
+    from ..fast_decode import chosen_16bit_builds
+    summary["builds_16bit"] = chosen_16bit_builds()          # the compiled 2-byte step this machine chose
     config = {"model": "smollm2", "threads": torch.get_num_threads(), "plot": plot,
               "no_cache_note": "whole-generation timing without cache stops at 256 tokens (quadratic); "
                                "single-step latency goes to position 2048"}

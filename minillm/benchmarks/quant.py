@@ -158,8 +158,10 @@ def speed(models: dict, tokenizer, cfg: dict) -> dict:
     best = max(floats, key=lambda r: r["decode_tok_s"])
     for r in rows:
         r["vs_faster_float"] = r["decode_tok_s"] / best["decode_tok_s"]
+    from ..fast_decode import chosen_16bit_builds
     return {"faster_float": best["method"], "results": rows,
-            "vs_faster_float": {r["method"]: r["vs_faster_float"] for r in rows}}
+            "vs_faster_float": {r["method"]: r["vs_faster_float"] for r in rows},
+            "builds_16bit": chosen_16bit_builds()}        # the compiled 2-byte step this machine chose
 
 
 def engine_throughput(models: dict, tokenizer, cfg: dict) -> dict:
