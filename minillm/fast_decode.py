@@ -324,7 +324,7 @@ try:
 except RuntimeError:                      # options are checked here, at import: an Inductor without it
     _compiled_decode_layer_16bit = _compiled_decode_layer
 BUILDS_16BIT = ("default", "materialised")
-_chosen_16bit: dict[str, str] = {}        # "float" / "packed" (item 8) -> the build chosen in this process
+_chosen_16bit: dict[str, str] = {}        # "float|packed dim=D layers=L" -> the build chosen in this process
 CHOICE_ROUNDS = 3
 
 
@@ -333,7 +333,8 @@ def _build(name: str):
 
 
 def choose_16bit_build(kind: str, run_layers) -> str:
-    """The faster 2-byte build for this machine, timed once per process and graph kind. run_layers(build)
+    """The faster 2-byte build for this machine, timed once per process and graph kind (float or packed
+    weights, and the model's shape: a tiny model's choice says nothing about a real one). run_layers(build)
     runs the first decode step's layers with that build: a whole step, so that the weights stream from
     memory as they do in use (one layer timed alone sits in the cache, and there the two builds tie).
     Rewriting that step's K/V is harmless: the step itself runs afterwards and writes its own. Each build
@@ -382,6 +383,7 @@ def _decode_compiled(model: Llama, token: torch.Tensor, cache: KVCache, rope: Ro
     compiled = _compiled_decode_layer
     if h.element_size() == 2:
         kind = "packed" if isinstance(model._decode_weights[0][1], tuple) else "float"
+        kind = f"{kind} dim={cfg.dim} layers={cfg.n_layers}"
         compiled = _build(choose_16bit_build(kind, run_layers))
     h = run_layers(compiled)
     cache.lengths[0] = pos + 1

@@ -277,7 +277,8 @@ def test_the_faster_16bit_build_is_chosen_once_per_process_on_whole_steps(monkey
     model = fuse_projections(random_model(tiny_config(), seed=6, dtype=torch.bfloat16))
     prompt, n_new, n_layers = [5, 6, 7, 8], 5, model.cfg.n_layers
     chosen = generate_greedy_fast(model, prompt, n_new, compiled_step=True)
-    assert fast_decode.chosen_16bit_builds() == {"float": "default"}
+    kind = f"float dim={model.cfg.dim} layers={n_layers}"
+    assert fast_decode.chosen_16bit_builds() == {kind: "default"}
     timed = (1 + fast_decode.CHOICE_ROUNDS) * n_layers                    # compile + timed rounds, whole steps
     assert calls.count("materialised") == timed
     assert calls.count("default") == timed + (n_new - 1) * n_layers      # then every decode step: the winner
@@ -286,4 +287,8 @@ def test_the_faster_16bit_build_is_chosen_once_per_process_on_whole_steps(monkey
     assert calls == ["default"] * (n_new - 1) * n_layers                  # chosen once per process
     fp32 = fuse_projections(random_model(tiny_config(), seed=6))
     generate_greedy_fast(fp32, prompt, n_new, compiled_step=True)
-    assert fast_decode.chosen_16bit_builds() == {"float": "default"}      # fp32 takes the default build untimed
+    assert fast_decode.chosen_16bit_builds() == {kind: "default"}         # fp32 takes the default build untimed
+    calls.clear()
+    deeper = fuse_projections(random_model(tiny_config(n_layers=3), seed=6, dtype=torch.bfloat16))
+    generate_greedy_fast(deeper, prompt, n_new, compiled_step=True)       # another shape: timed again
+    assert len(fast_decode.chosen_16bit_builds()) == 2 and "materialised" in calls
