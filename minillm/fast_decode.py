@@ -53,6 +53,7 @@ and the verification step's logits against forward_cached's (tests/test_fast_dec
 """
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
@@ -317,8 +318,8 @@ _compiled_decode_layer = torch.compile(decode_layer)
 # each GEMV loop and recomputes it, with the bf16 -> fp32 conversions, for every ROW. Materialising any
 # pointwise result of more than 2 ops once (in fp32) makes the GEMV loop a bare load-convert-multiply-add.
 # Which build is faster depends on the CPU (lesson 02: the materialised one on the Intel Xeon VM, the
-# default one, by 2x, on the AMD EPYC VM), so the first 2-byte decode step of a process times both
-# (choose_16bit_build) and keeps the faster; fp32 always takes the default build.
+# default one, by 2x, on the AMD EPYC VM), so the first 2-byte decode step of each model shape in a
+# process times both (choose_16bit_build) and keeps the faster; fp32 always takes the default build.
 try:
     _compiled_decode_layer_16bit = torch.compile(decode_layer, options={"realize_opcount_threshold": 2})
 except RuntimeError:                      # options are checked here, at import: an Inductor without it
@@ -340,8 +341,6 @@ def choose_16bit_build(kind: str, run_layers) -> str:
     Rewriting that step's K/V is harmless: the step itself runs afterwards and writes its own. Each build
     runs once to compile, then CHOICE_ROUNDS alternating timed rounds; the lower total wins. Where
     compiling fails, nothing is timed."""
-    import time
-
     if kind not in _chosen_16bit:
         for name in BUILDS_16BIT:                                          # compile both
             run_layers(_build(name))
