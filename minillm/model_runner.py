@@ -17,6 +17,8 @@ Only attention needs to know where one request ends and the next begins:
   requests are not padded to the longest one (group_by_length);
 - a prefill chunk of T tokens after `start` cached ones attends to start + T keys, causally
   with an offset (query t sees keys 0..start + t).
+On CPU a bf16/fp16 model attends in fp32 (sdpa): torch's 2-byte CPU SDPA kernel is slower than
+converting q, K and V to fp32 and running the fp32 one (bench engine-step measures both; lesson 07).
 
 Compared with forward_fast (the contiguous batch-1 path) what is new is marked  # NEW: paged.
 A step whose every row is one decode token replays a CUDA graph on a GPU (minillm/cuda_graphs.py).
@@ -213,6 +215,18 @@ def _decode_group(members: list[tuple[int, int, int, list[int]]], block_size: in
     return DecodeGroup(rows.to(device), real.to(device), tables.to(device), mask[:, None].to(device))
 
 
+def sdpa(q, keys, values, attn_mask=None, is_causal=False):
+    """F.scaled_dot_product_attention(q, keys, values, ...) with GQA, (B, H, T, D) layouts; on CPU a
+    bf16/fp16 q, K, V are converted to fp32 first and the result back (NEW: the 2-byte CPU kernel is
+    slower than those copies plus the fp32 one)."""
+    if q.device.type != "cpu" or q.element_size() != 2:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, is_causal=is_causal,
+                                              enable_gqa=True)
+    out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=attn_mask,
+                                         is_causal=is_causal, enable_gqa=True)
+    return out.to(q.dtype)
+
+
 class ModelRunner:
     """Runs PagedBatches of one model over one PagedKVCache."""
 
@@ -345,8 +359,8 @@ class ModelRunner:
                 qd = q[:, None] if in_order else q[g.rows]                # (Bg, Tq, Hq, D)
                 reuse = None if buffers is None else tuple(b[:g.tables.numel()] for b in buffers)
                 keys, values = self.kv.gather(layer, g.tables, reuse)    # (Bg, n * bs, Hkv, D)
-                od = F.scaled_dot_product_attention(qd.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                                    attn_mask=g.mask, enable_gqa=True)   # (Bg, Hq, Tq, D)
+                od = sdpa(qd.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                   attn_mask=g.mask)                      # (Bg, Hq, Tq, D)
                 od = od.transpose(1, 2)                                   # (Bg, Tq, Hq, D)
                 if in_order:                                              # rows are 0..N-1, one each
                     return od[:, 0]
@@ -358,7 +372,6 @@ class ModelRunner:
             keys, values = self.kv.gather(layer, blocks)                  # (1, L_pad, Hkv, D)
             keys = keys[:, :start + T].transpose(1, 2)                    # (1, Hkv, L, D)
             values = values[:, :start + T].transpose(1, 2)
-            op = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, is_causal=mask is None,
-                                                enable_gqa=True)          # (1, Hq, T, D)
+            op = sdpa(qp, keys, values, attn_mask=mask, is_causal=mask is None)   # (1, Hq, T, D)
             out[row:row + T] = op[0].transpose(0, 1)
         return out

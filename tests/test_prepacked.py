@@ -1,5 +1,5 @@
 """Prepacked CPU weights (minillm/prepacked.py): the engine's GEMMs through MKL's / oneDNN's blocked
-layout give F.linear's results, and the engine really runs them."""
+layout give F.linear's results, the faster library is the one chosen, and the engine really runs them."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,12 +14,37 @@ needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reas
 
 @needs_mkl
 @pytest.mark.parametrize("rows", [1, 4, 16, 33])
-def test_fp32_prepacked_gemm_is_bit_equal_to_f_linear(rows):
+def test_fp32_mkl_prepacked_gemm_is_bit_equal_to_f_linear(rows):
     torch.manual_seed(0)
     w, x = torch.randn(96, 64), torch.randn(rows, 64)                     # (out, in), (N, in)
-    packed = prepacked.PrepackedLinear(w, rows=16)
+    packed = prepacked.PrepackedLinear(w, rows=16, library="mkl")
     assert packed.library == "mkl"
     assert torch.equal(packed(x), F.linear(x, w))
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 4, 16, 33])
+def test_fp32_onednn_prepacked_gemm_matches_f_linear_to_fp32_rounding(rows):
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 64), torch.randn(rows, 64)
+    packed = prepacked.PrepackedLinear(w, rows=16, library="onednn")
+    assert packed.library == "onednn"
+    exact = x.double() @ w.double().t()                                   # (N, out)
+    assert (packed(x).double() - exact).abs().max() <= 1e-5 * exact.abs().max()   # fp32, not a 2-byte shortcut
+
+
+@needs_mkl
+@needs_onednn
+def test_fp32_prepacking_keeps_the_library_timed_faster(monkeypatch):
+    seconds = {"mkl": 2.0, "onednn": 1.0}
+    monkeypatch.setattr(prepacked, "_chosen", {})
+    monkeypatch.setattr(prepacked, "_seconds_per_call", lambda packed, x: seconds[packed.library])
+    w = torch.randn(96, 64)
+    assert prepacked.PrepackedLinear(w, rows=8).library == "onednn"
+    assert prepacked.chosen_libraries() == {"float32 (96, 64) rows=8": "onednn"}
+    seconds.update(mkl=0.5)                                               # decided once per shape: kept
+    assert prepacked.PrepackedLinear(w, rows=8).library == "onednn"
+    assert prepacked.PrepackedLinear(torch.randn(32, 64), rows=8).library == "mkl"   # another shape: timed anew
 
 
 @needs_onednn
@@ -40,6 +65,8 @@ def test_what_cannot_be_prepacked_is_refused_clearly():
         prepacked.PrepackedLinear(torch.randn(4, 4).to(torch.int8), rows=4)
     with pytest.raises(ValueError, match="rows = 0"):
         prepacked.PrepackedLinear(torch.randn(4, 4), rows=0)
+    with pytest.raises(ValueError, match="library = 'mkl' cannot prepack a torch.bfloat16"):
+        prepacked.PrepackedLinear(torch.randn(4, 4).bfloat16(), rows=4, library="mkl")
     assert prepacked.prepack_or_none(torch.nn.Linear(4, 4, bias=True), 4) is None   # bias: F.linear keeps it
 
 
@@ -94,3 +121,28 @@ def test_a_quantised_model_runs_unpacked():
     llm = tiny_llm(max_num_seqs=4)
     quantize_model(llm.model, "int8")
     assert llm.engine.runner.packed_layers is None and llm.engine.runner.packed_head is None
+
+
+def test_bf16_engine_attends_in_fp32_on_cpu(monkeypatch):
+    """model_runner.sdpa: the 2-byte CPU attention runs torch's fp32 kernel on upcast q, K, V (the
+    bf16 kernel is the slower one there) and hands back the model's dtype."""
+    from minillm import model_runner
+
+    seen = []
+    original = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return original(q, k, v, **kwargs)
+
+    monkeypatch.setattr(model_runner.F, "scaled_dot_product_attention", spy)
+    llm = tiny_llm(torch.bfloat16, max_num_seqs=4)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 30, 12, 2], 200)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert seen and set(seen) == {(torch.float32,) * 3}
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 1, 8).bfloat16(), torch.randn(2, 3, 20, 8).bfloat16(), torch.randn(2, 3, 20, 8).bfloat16()
+    out = model_runner.sdpa(q, k, v)                                      # (2, 6, 1, 8)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, original(q.float(), k.float(), v.float(), enable_gqa=True).bfloat16())

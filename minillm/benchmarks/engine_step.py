@@ -16,7 +16,12 @@ rounds after a warm-up. Output tokens per second of wall time, prompt included.
 
 The roofline of a decode step at batch B reads every weight once and does 2 FLOPs per weight per
 row: step time >= max(weight bytes / bandwidth, 2 * params * B / GEMM rate), both rates measured
-in this run (roofline.measure_bandwidth, roofline.measure_flops in the same dtype).
+in this run in the same dtype (roofline.measure_bandwidth; the GEMM rate is the fastest of torch's
+a @ b and each prepacking library's GEMM on a square 2048 matrix, all recorded: gemm_rates, and
+machine_rates.<dtype>.gemm_GFLOPs_by_route). The libraries prepacking chose per weight
+shape are recorded (summary.prepacked_libraries), and so is why the engine attends in fp32 on CPU:
+one bf16 decode-group attention by torch's bf16 SDPA kernel against the engine's fp32 one on upcast
+copies (summary.bf16_decode_attention).
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import time
 
 import torch
 
-from .. import roofline
+from .. import prepacked, roofline
 from . import common
 from .kv_cache import dense_hf_model
 
@@ -46,6 +51,28 @@ def step_roofline(cfg, dtype: torch.dtype, batch: int, bandwidth: float, gemm_ra
     read_s = roofline.weight_bytes(cfg, elem) / bandwidth
     gemm_s = 2 * cfg.num_parameters() * batch / gemm_rate
     return {"read_ms": 1e3 * read_s, "gemm_ms": 1e3 * gemm_s, "bound_tok_s": batch / max(read_s, gemm_s)}
+
+
+def gemm_rates(n: int, dtype: torch.dtype) -> dict[str, float]:
+    """FLOP/s of a square (n x n) GEMM here by each route: torch's a @ b and each prepacking library."""
+    rates = {"torch a @ b": roofline.measure_flops(n, dtype=dtype)}
+    w, x = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)    # (out, in), (n rows, in)
+    for library in prepacked.libraries_for(w):
+        packed = prepacked.PrepackedLinear(w, n, library)
+        rates[library] = 2 * n ** 3 / roofline.time_median(lambda: packed(x), 5)
+    return rates
+
+
+def attention_times(batch: int, keys: int, cfg) -> dict[str, float]:
+    """Microseconds of one decode-group attention on CPU (batch rows, one query each, `keys` keys, the
+    model's heads), bf16 inputs: torch's bf16 SDPA kernel against the engine's (fp32 kernel on copies)."""
+    from ..model_runner import sdpa
+
+    q = torch.randn(batch, cfg.n_heads, 1, cfg.head_dim).bfloat16()          # (B, Hq, 1, D)
+    k, v = (torch.randn(batch, cfg.n_kv_heads, keys, cfg.head_dim).bfloat16() for _ in range(2))   # (B, Hkv, L, D)
+    bf16_kernel = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)   # noqa: E731
+    return {"bf16_kernel_us": 1e6 * roofline.time_median(bf16_kernel, 20),
+            "engine_fp32_kernel_us": 1e6 * roofline.time_median(lambda: sdpa(q, k, v), 20)}
 
 
 def before_eos(ids: list[int], eos: int) -> list[int]:
@@ -114,8 +141,10 @@ def run(quick: bool) -> dict:
     rows, rates = [], {}
     for dtype_name in cfg["dtypes"]:
         dtype = getattr(torch, dtype_name)
+        by_route = gemm_rates(1024 if quick else 2048, dtype)
         rates[dtype_name] = {"bandwidth_GBps": roofline.measure_bandwidth(256 if quick else 512, dtype=dtype) / 1e9,
-                             "gemm_GFLOPs": roofline.measure_flops(1024 if quick else 2048, dtype=dtype) / 1e9}
+                             "gemm_GFLOPs": max(by_route.values()) / 1e9,
+                             "gemm_GFLOPs_by_route": {k: v / 1e9 for k, v in by_route.items()}}
         for batch in cfg["batches"]:
             row = compare(base, hf_fp32, dtype_name, batch, cfg)
             bound = step_roofline(base.config, dtype, batch, rates[dtype_name]["bandwidth_GBps"] * 1e9,
@@ -132,4 +161,7 @@ def run(quick: bool) -> dict:
                                                                   "engine_fraction_of_roofline")}
                for r in rows}
     summary["machine_rates"] = rates
+    summary["prepacked_libraries"] = prepacked.chosen_libraries()
+    summary["bf16_decode_attention"] = {f"B{b}": attention_times(b, cfg["prompt_tokens"] + cfg["new_tokens"],
+                                                                 base.config) for b in cfg["batches"]}
     return common.document(NAME, {"model": "SmolLM2-135M-Instruct", **cfg, "quick": quick}, rows, summary)
