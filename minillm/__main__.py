@@ -6,6 +6,7 @@ import inspect
 import json
 import os
 import sys
+from pathlib import Path
 
 # Each subcommand imports what it needs when it runs: `lab list` imports neither torch nor the engine.
 
@@ -35,6 +36,13 @@ def _bench(args) -> None:
         if "dtype" not in inspect.signature(module.run).parameters:
             raise SystemExit(f"bench {args.name} has no --dtype (it measures its own list of dtypes)")
         kwargs["dtype"] = args.dtype
+    accepted = inspect.signature(module.run).parameters
+    if args.workload is not None:
+        if "workload" not in accepted:
+            raise SystemExit(f"bench {args.name} has no --workload (it measures one workload)")
+        kwargs["workload"] = args.workload
+    if args.json and "plot" in accepted:                          # its figure next to its JSON
+        kwargs["plot"] = str(Path(args.json).with_suffix("")) + "-steps.png"
     doc = module.run(quick=args.quick, **kwargs)
     print(format_table(doc["results"]))
     print(json.dumps(doc["summary"], indent=2, default=float))
@@ -110,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="small sizes, for CI and a first look")
     b.add_argument("--json", default=None, help="write the result document here")
     b.add_argument("--dtype", default=None, help="for benchmarks that take one (batching): float32 | bfloat16")
+    b.add_argument("--workload", default=None, help="for benchmarks that take one (batching): main | held-out")
     b.set_defaults(func=_bench)
 
     d = sub.add_parser("demo", help="chat with SmolLM2, streamed, then report tokens/s")

@@ -72,3 +72,10 @@ def test_every_timed_path_gives_the_same_greedy_tokens():
     batched = LLM(model=model, tokenizer=CharTokenizer(), device="cpu", max_model_len=64)
     assert bb.run_engine(batched, prompts, outputs)["tokens"] == alone["tokens"]
     assert bb.run_static(model, prompts, outputs, 2)["tokens"] == alone["tokens"]
+
+
+def test_workloads_are_named_and_an_unknown_one_is_refused():
+    assert bb.WORKLOADS["main"][:2] == (64, (16, 512)) and bb.WORKLOADS["held-out"][:3] == (24, (10, 300), (16, 128))
+    assert bb.WORKLOADS["main"][3] != bb.WORKLOADS["held-out"][3]         # another seed: other requests
+    with pytest.raises(ValueError, match="workload = 'nope'; allowed: 'main', 'held-out'"):
+        bb.run(quick=True, workload="nope")

@@ -2,8 +2,11 @@
 
 Workload (offline: every request arrives at t = 0, greedy, ignore_eos so each request gets
 exactly the tokens it asks for): chat prompts that share one system prompt, followed by a
-passage of Python's documentation; prompt lengths log-uniform in [16, 512] tokens, output
-lengths log-uniform in [16, 256] tokens. Quick mode shrinks all of it.
+passage of Python's documentation. Two workloads (`--workload`, WORKLOADS below): "main", 64
+requests with prompt lengths log-uniform in [16, 512] tokens and output lengths in [16, 256]; and
+"held-out", 24 requests, prompts in [10, 300], outputs in [16, 128], drawn with another seed (a
+workload nothing here was tuned on; it skips the knob settings). Quick mode shrinks all of it.
+The step plot goes next to the JSON (`--json results/x.json` -> results/x-steps.png).
 
 Systems (SYSTEMS below), all in one dtype (`--dtype`, bfloat16 by default: this CPU multiplies
 bf16 matrices with AMX, several times its fp32 GEMM rate, so bf16 is how one would serve on it; every
@@ -56,6 +59,9 @@ LADDER = (("hf_sequential", "transformers generate, one request at a time"),
 CENTER = dict(max_num_seqs=64, max_num_batched_tokens=512, block_size=16, enable_chunked_prefill=True,
               enable_prefix_caching=True)
 KNOBS = (("max_num_batched_tokens", (128, 512, 2048)), ("block_size", (8, 16, 64)))
+# name -> (requests, prompt token range, output token range, seed, knob settings run)
+WORKLOADS = {"main": (64, (16, 512), (16, 256), 0, True),
+             "held-out": (24, (10, 300), (16, 128), 1, False)}
 SYSTEM = ("You are a careful assistant for Python programmers. Answer precisely, quote the "
           "documentation when it helps, and keep answers short.")
 
@@ -255,18 +261,23 @@ def _plot(steps, t0, path):
     fig.tight_layout(); fig.savefig(path, dpi=120); plt.close(fig)
 
 
-def run(quick: bool, dtype: str = "bfloat16") -> dict:
+def run(quick: bool, dtype: str = "bfloat16", workload: str = "main", plot: str | None = None) -> dict:
+    """plot: where the step plot goes (default results/batching-steps.png, results/quick/... when quick)."""
     import os
 
     from .. import LLM
     from .kv_cache import dense_hf_model
 
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload = {workload!r}; allowed: {', '.join(map(repr, WORKLOADS))}")
     started = time.perf_counter()
-    n, prange, orange = (6, (64, 160), (4, 16)) if quick else (64, (16, 512), (16, 256))
+    n, prange, orange, seed, with_knobs = WORKLOADS[workload]
+    if quick:
+        n, prange, orange = 6, (64, 160), (4, 16)
     base = LLM(model="smollm2", dtype=dtype, device="cpu", max_num_seqs=64,
                max_num_batched_tokens=2048, enable_chunked_prefill=False)
     tok = base.get_tokenizer()
-    prompts, outputs = make_workload(tok, n, prange, orange)
+    prompts, outputs = make_workload(tok, n, prange, orange, seed)
     useful = sum(outputs)
     hf = dense_hf_model(getattr(torch, dtype))
 
@@ -287,10 +298,10 @@ def run(quick: bool, dtype: str = "bfloat16") -> dict:
               "static": lambda p, o: run_static(base.model, p, o, HF_BATCH)}
     whole = {"continuous_16": engine(max_num_seqs=HF_BATCH), "continuous": base,
              "continuous_chunked_prefix": engine(**CENTER)}
-    knob_llms = {} if quick else {f"{knob}={value}": engine(**dict(CENTER, **{knob: value}))
+    knob_llms = {} if quick or not with_knobs else {f"{knob}={value}": engine(**dict(CENTER, **{knob: value}))
                                   for knob, values in KNOBS for value in values if value != CENTER[knob]}
     engines = {**whole, **knob_llms}
-    repeats = 0 if quick else KNOB_REPEATS
+    repeats = KNOB_REPEATS if knob_llms else 0
     # Interleaved rounds: this VM's speed drifts over minutes, so no system may run
     # all of its work in a different stretch of time from the others. Round r runs slice r of the
     # workload (HF_BATCH requests) through the `sliced` systems and the WHOLE workload through the
@@ -321,7 +332,7 @@ def run(quick: bool, dtype: str = "bfloat16") -> dict:
         if name == "continuous_chunked_prefix":
             extra["prefix_cached_tokens"] = r["cached"]
         results.append(summarise(name, r["wall"], useful, r["ttft"], r["tpot"], extra))
-    plot = "results/quick/batching-steps.png" if quick else "results/batching-steps.png"
+    plot = plot or ("results/quick/batching-steps.png" if quick else "results/batching-steps.png")
     os.makedirs(os.path.dirname(plot), exist_ok=True)
     shown = median_run(runs["continuous_chunked_prefix"])
     _plot(shown["steps"], shown["t0"], plot)
@@ -351,7 +362,7 @@ def run(quick: bool, dtype: str = "bfloat16") -> dict:
         "ratio_continuous1_vs_hf_sequential": by["continuous_1"] / by["hf_sequential"],
         "ladder": ladder(by), "ladder_product": by[LADDER[-1][0]] / by[LADDER[0][0]],
         "output_tok_s": by, "requests_with_tokens_equal_to_static": same, "knobs": knobs}
-    config = {"requests": n, "prompt_tokens": prange, "output_tokens": orange, "hf_batch": HF_BATCH,
+    config = {"workload": workload, "seed": seed, "requests": n, "prompt_tokens": prange, "output_tokens": orange, "hf_batch": HF_BATCH,
               "prompt_lengths": [len(p) for p in prompts], "output_lengths": outputs,
               "dtype": dtype, "greedy": True, "arrival": "all at t=0", "systems": SYSTEMS,
               "rounds": len(rounds), "knob_repeats": repeats,
