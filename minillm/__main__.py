@@ -6,7 +6,6 @@ import inspect
 import json
 import os
 import sys
-from pathlib import Path
 
 # Each subcommand imports what it needs when it runs: `lab list` imports neither torch nor the engine.
 
@@ -41,8 +40,8 @@ def _bench(args) -> None:
         if "workload" not in accepted:
             raise SystemExit(f"bench {args.name} has no --workload (it measures one workload)")
         kwargs["workload"] = args.workload
-    if args.json and "plot" in accepted:                          # its figure next to its JSON
-        kwargs["plot"] = str(Path(args.json).with_suffix("")) + "-steps.png"
+    if args.json and "json_path" in accepted:                     # it puts its figure next to its JSON
+        kwargs["json_path"] = args.json
     doc = module.run(quick=args.quick, **kwargs)
     print(format_table(doc["results"]))
     print(json.dumps(doc["summary"], indent=2, default=float))

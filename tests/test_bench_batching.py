@@ -79,3 +79,25 @@ def test_workloads_are_named_and_an_unknown_one_is_refused():
     assert bb.WORKLOADS["main"][3] != bb.WORKLOADS["held-out"][3]         # another seed: other requests
     with pytest.raises(ValueError, match="workload = 'nope'; allowed: 'main', 'held-out'"):
         bb.run(quick=True, workload="nope")
+
+
+def test_bench_cli_passes_workload_and_json_path_only_to_benchmarks_that_take_them(monkeypatch, tmp_path):
+    import types
+
+    from minillm import __main__ as cli
+    from minillm import benchmarks
+
+    seen = {}
+
+    def run(quick, dtype="bfloat16", workload="main", json_path=None):
+        seen.update(quick=quick, dtype=dtype, workload=workload, json_path=json_path)
+        return {"results": [], "summary": {}}
+
+    monkeypatch.setattr(benchmarks, "load", lambda name: types.SimpleNamespace(run=run))
+    monkeypatch.setattr("minillm.benchmarks.common.write_json", lambda doc, path: path)
+    out = str(tmp_path / "b.json")
+    cli.main(["bench", "batching", "--quick", "--workload", "held-out", "--dtype", "float32", "--json", out])
+    assert seen == {"quick": True, "dtype": "float32", "workload": "held-out", "json_path": out}
+    monkeypatch.setattr(benchmarks, "load", lambda name: types.SimpleNamespace(run=lambda quick: {}))
+    with pytest.raises(SystemExit, match="has no --workload"):
+        cli.main(["bench", "gqa", "--workload", "held-out"])

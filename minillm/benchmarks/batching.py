@@ -261,8 +261,9 @@ def _plot(steps, t0, path):
     fig.tight_layout(); fig.savefig(path, dpi=120); plt.close(fig)
 
 
-def run(quick: bool, dtype: str = "bfloat16", workload: str = "main", plot: str | None = None) -> dict:
-    """plot: where the step plot goes (default results/batching-steps.png, results/quick/... when quick)."""
+def run(quick: bool, dtype: str = "bfloat16", workload: str = "main", json_path: str | None = None) -> dict:
+    """json_path: where the document will be written; the step plot goes beside it (x.json -> x-steps.png;
+    default results/batching-steps.png, results/quick/... when quick)."""
     import os
 
     from .. import LLM
@@ -332,7 +333,8 @@ def run(quick: bool, dtype: str = "bfloat16", workload: str = "main", plot: str 
         if name == "continuous_chunked_prefix":
             extra["prefix_cached_tokens"] = r["cached"]
         results.append(summarise(name, r["wall"], useful, r["ttft"], r["tpot"], extra))
-    plot = plot or ("results/quick/batching-steps.png" if quick else "results/batching-steps.png")
+    plot = json_path.removesuffix(".json") + "-steps.png" if json_path else \
+        "results/quick/batching-steps.png" if quick else "results/batching-steps.png"
     os.makedirs(os.path.dirname(plot), exist_ok=True)
     shown = median_run(runs["continuous_chunked_prefix"])
     _plot(shown["steps"], shown["t0"], plot)

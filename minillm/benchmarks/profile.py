@@ -102,7 +102,8 @@ def profile_generate(llm, prompts: list, params) -> dict:
     return row
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, json_path: str | None = None) -> dict:
+    """json_path: where the document will be written; the figure goes beside it (x.json -> x.png)."""
     from ..llm import LLM
     from ..sampling import SamplingParams
 
@@ -127,7 +128,8 @@ def run(quick: bool) -> dict:
                    **profile_generate(llm, prompts, params)}
             rows.append(row)
             print(common.format_table([row], ["config", "ms_per_token"] + [f"{c} %" for c in CLASSES]), flush=True)
-    path = "results/quick/profile.png" if quick else "results/profile.png"
+    path = json_path.removesuffix(".json") + ".png" if json_path else \
+        "results/quick/profile.png" if quick else "results/profile.png"
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     plot(rows, path)
     config = {"model": "SmolLM2-135M-Instruct", "prompt_tokens": len(prompt), **cfg, "plot": str(path),
