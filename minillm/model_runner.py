@@ -360,7 +360,7 @@ class ModelRunner:
                 reuse = None if buffers is None else tuple(b[:g.tables.numel()] for b in buffers)
                 keys, values = self.kv.gather(layer, g.tables, reuse)    # (Bg, n * bs, Hkv, D)
                 od = sdpa(qd.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                   attn_mask=g.mask)                      # (Bg, Hq, Tq, D)
+                          attn_mask=g.mask)                               # (Bg, Hq, Tq, D)
                 od = od.transpose(1, 2)                                   # (Bg, Tq, Hq, D)
                 if in_order:                                              # rows are 0..N-1, one each
                     return od[:, 0]
