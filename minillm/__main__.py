@@ -31,11 +31,11 @@ def _bench(args) -> None:
 
     module = benchmarks.load(args.name)
     kwargs = {}
+    accepted = inspect.signature(module.run).parameters
     if args.dtype is not None:
-        if "dtype" not in inspect.signature(module.run).parameters:
+        if "dtype" not in accepted:
             raise SystemExit(f"bench {args.name} has no --dtype (it measures its own list of dtypes)")
         kwargs["dtype"] = args.dtype
-    accepted = inspect.signature(module.run).parameters
     if args.workload is not None:
         if "workload" not in accepted:
             raise SystemExit(f"bench {args.name} has no --workload (it measures one workload)")

@@ -24,9 +24,9 @@ Measured in results/engine-step.json (bench engine-step, prepacked vs not on the
 """
 from __future__ import annotations
 
-import time
-
 import torch
+
+from .benchmarks.common import time_median
 
 TIMED_CALLS = 5
 _chosen: dict[str, str] = {}          # "dtype (out, in) rows=M" -> the library timed faster in this process
@@ -45,16 +45,12 @@ def libraries_for(weight: torch.Tensor) -> list[str]:
 
 
 def _seconds_per_call(packed: "PrepackedLinear", x: torch.Tensor) -> float:
-    packed(x)                                                          # first call: page in, set up
-    t0 = time.perf_counter()
-    for _ in range(TIMED_CALLS):
-        packed(x)
-    return (time.perf_counter() - t0) / TIMED_CALLS
+    return time_median(lambda: packed(x), TIMED_CALLS)                 # after one warm-up call
 
 
 def fastest_library(weight: torch.Tensor, rows: int) -> str:
     """The library whose prepacked GEMM of this weight's shape and dtype at `rows` rows runs faster
-    here, timed once per process and shape on random inputs (the speed does not depend on values)."""
+    here, timed once per process and shape on this weight and a random input (speed does not depend on values)."""
     found = libraries_for(weight)
     if not found:
         raise ValueError(f"cannot prepack a {weight.dtype} weight on {weight.device} here")
@@ -64,8 +60,7 @@ def fastest_library(weight: torch.Tensor, rows: int) -> str:
             _chosen[key] = found[0]
         else:
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)   # (M, in)
-            w = torch.randn(weight.shape, dtype=weight.dtype)             # (out, in)
-            _chosen[key] = min(found, key=lambda lib: _seconds_per_call(PrepackedLinear(w, rows, lib), x))
+            _chosen[key] = min(found, key=lambda lib: _seconds_per_call(PrepackedLinear(weight, rows, lib), x))
     return _chosen[key]
 
 

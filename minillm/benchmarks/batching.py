@@ -364,7 +364,8 @@ def run(quick: bool, dtype: str = "bfloat16", workload: str = "main", json_path:
         "ratio_continuous1_vs_hf_sequential": by["continuous_1"] / by["hf_sequential"],
         "ladder": ladder(by), "ladder_product": by[LADDER[-1][0]] / by[LADDER[0][0]],
         "output_tok_s": by, "requests_with_tokens_equal_to_static": same, "knobs": knobs}
-    config = {"workload": workload, "seed": seed, "requests": n, "prompt_tokens": prange, "output_tokens": orange, "hf_batch": HF_BATCH,
+    config = {"workload": workload, "seed": seed, "requests": n, "prompt_tokens": prange, "output_tokens": orange,
+              "hf_batch": HF_BATCH,
               "prompt_lengths": [len(p) for p in prompts], "output_lengths": outputs,
               "dtype": dtype, "greedy": True, "arrival": "all at t=0", "systems": SYSTEMS,
               "rounds": len(rounds), "knob_repeats": repeats,
