@@ -122,22 +122,52 @@ def max_sequences(cfg: ModelConfig, memory_bytes: float, seq_len: int, bytes_per
     return max(0, int(free // (seq_len * kv_bytes_per_token(cfg, kv_value))))
 
 
+class BandwidthProbe:
+    """Read bandwidth, sampled again and again while a benchmark runs.
+
+    A VM's memory bandwidth is not a constant: on the 2-core VM of lesson 01 the two threads'
+    read rate switches between two levels within seconds (bench roofline records it over time:
+    summary.bandwidth_over_time). A bound taken from one sample is low whenever that sample lands
+    on the slow level, and every "fraction of the bound" above it then flatters. So a benchmark
+    that interleaves its timed systems interleaves probe.sample() with them too, and states its
+    bound from the fastest sample (what the machine did read in that run); the samples go in the
+    JSON beside it.
+
+    One sample is the faster of (a) torch.mv, decode's own access pattern through the library's
+    GEMV, and (b) a plain read of the same bytes (a sum over them, viewed as fp32). No GEMV beats
+    the read by much, but a library GEMV can fall far short of it (lesson 01: on one VM, a compiled
+    GEMV beat a bound taken from (a) alone). The matrix is allocated once and reused.
+    """
+
+    def __init__(self, mbytes: int = 512, dtype=torch.float32, device="cpu"):
+        elem = torch.tensor([], dtype=dtype).element_size()
+        cols = 4096
+        self.device = device
+        self.weight = torch.randn(mbytes * 2**20 // (elem * cols), cols, dtype=dtype, device=device)   # (rows, cols)
+        self.x = torch.randn(cols, dtype=dtype, device=device)                                         # (cols,)
+        self.nbytes = self.weight.numel() * elem
+        self.samples: list[float] = []                                    # bytes/s, in the order taken
+
+    def sample(self, repeats: int = 5) -> float:
+        """Bytes/s now; also kept in self.samples."""
+        gemv = self.nbytes / time_median(lambda: torch.mv(self.weight, self.x), repeats, device=self.device)
+        as_fp32 = self.weight.view(torch.float32)                         # same bytes, fp32 adder
+        read = self.nbytes / time_median(lambda: as_fp32.sum(), repeats, device=self.device)
+        self.samples.append(max(gemv, read))
+        return self.samples[-1]
+
+    @property
+    def best(self) -> float:
+        """The fastest sample: the bandwidth bound's denominator."""
+        if not self.samples:
+            raise RuntimeError("BandwidthProbe.best before any sample(): call sample() first")
+        return max(self.samples)
+
+
 def measure_bandwidth(mbytes: int = 512, dtype=torch.float32, repeats: int = 5, device="cpu") -> float:
-    """Bytes/s at which a large weight can be streamed once: the bound's denominator. The faster of
-    (a) torch.mv, decode's own access pattern through the library's GEMV, and (b) a plain read of
-    the same bytes (a sum over them, viewed as fp32). No GEMV beats the read by much, but a library
-    GEMV can fall far short of it (lesson 01: on one VM, a compiled GEMV beat a bound taken from
-    (a) alone)."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    cols = 4096
-    rows = mbytes * 2**20 // (elem * cols)
-    w = torch.randn(rows, cols, dtype=dtype, device=device)
-    x = torch.randn(cols, dtype=dtype, device=device)
-    nbytes = rows * cols * elem
-    gemv = nbytes / time_median(lambda: torch.mv(w, x), repeats, device=device)
-    as_fp32 = w.view(torch.float32)                                       # same bytes, fp32 adder
-    read = nbytes / time_median(lambda: as_fp32.sum(), repeats, device=device)
-    return max(gemv, read)
+    """Bytes/s at which a large weight can be streamed once, one sample (BandwidthProbe: where the
+    machine's bandwidth moves, sample it between the timed runs instead)."""
+    return BandwidthProbe(mbytes, dtype, device).sample(repeats)
 
 
 def measure_flops(n: int = 2048, dtype=torch.float32, repeats: int = 5, device="cpu") -> float:

@@ -60,3 +60,32 @@ def test_max_sequences_fills_what_the_weights_leave():
     assert weight_bytes(LLAMA2_7B, 2) + n * per_seq <= 80e9 < weight_bytes(LLAMA2_7B, 2) + (n + 1) * per_seq
     assert max_sequences(LLAMA3_70B, 80e9, 4096, 2) == 0                # the weights alone do not fit
     assert max_sequences(LLAMA2_7B, 80e9, 4096, 2, kv_bytes_per_value=1) >= 2 * n
+
+
+def test_bandwidth_probe_keeps_every_sample_and_bounds_by_the_fastest(monkeypatch):
+    """A VM's bandwidth moves between runs: the probe keeps each sample in order, and the bound
+    uses the fastest; asking for the bound before any sample is an error, not a silent 0."""
+    import minillm.roofline as roofline
+
+    probe = roofline.BandwidthProbe(mbytes=4)
+    assert probe.nbytes == 4 * 2**20 and probe.weight.shape == (4 * 2**20 // (4 * 4096), 4096)
+    with pytest.raises(RuntimeError, match="sample"):
+        probe.best
+    seconds = iter([0.004, 0.002, 0.001, 0.003, 0.002, 0.004])       # (GEMV, read) per sample
+    monkeypatch.setattr(roofline, "time_median", lambda fn, repeats, device=None: next(seconds))
+    first, second, third = probe.sample(), probe.sample(), probe.sample()
+    assert probe.samples == [first, second, third]
+    assert first == probe.nbytes / 0.002 and second == probe.nbytes / 0.001 and third == probe.nbytes / 0.002
+    assert probe.best == second
+
+
+def test_bandwidth_over_time_records_both_thread_counts_and_restores_the_threads():
+    import torch
+    from minillm.benchmarks.roofline import bandwidth_over_time
+
+    threads = torch.get_num_threads()
+    out = bandwidth_over_time(2, seconds_apart=0, mbytes=4)
+    assert len(out[f"threads_{threads}"]) == 2 and len(out["threads_1"]) == 2
+    assert out["lowest_GBps"] == min(out[f"threads_{threads}"]) > 0
+    assert out["highest_GBps"] == max(out[f"threads_{threads}"])
+    assert torch.get_num_threads() == threads

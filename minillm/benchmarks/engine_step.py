@@ -16,7 +16,8 @@ rounds after a warm-up. Output tokens per second of wall time, prompt included.
 
 The roofline of a decode step at batch B reads every weight once and does 2 FLOPs per weight per
 row: step time >= max(weight bytes / bandwidth, 2 * params * B / GEMM rate), both rates measured
-in this run in the same dtype (roofline.measure_bandwidth; the GEMM rate is the fastest of torch's
+in this run in the same dtype (the bandwidth by roofline.BandwidthProbe, sampled after every timed
+run, the fastest sample kept: it moves on a VM; the GEMM rate is the fastest of torch's
 a @ b and each prepacking library's GEMM on a square 2048 matrix, all recorded: gemm_rates, and
 machine_rates.<dtype>.gemm_GFLOPs_by_route). The libraries prepacking chose per weight
 shape are recorded (summary.prepacked_libraries), and so is why the engine attends in fp32 on CPU:
@@ -81,7 +82,9 @@ def before_eos(ids: list[int], eos: int) -> list[int]:
     return ids[:ids.index(eos)] if eos in ids else ids
 
 
-def compare(base_llm, hf_fp32, dtype_name: str, batch: int, cfg: dict) -> dict:
+def compare(base_llm, hf_fp32, dtype_name: str, batch: int, cfg: dict, probe=None) -> dict:
+    """The engine (prepacked and not) against transformers' batched generate, interleaved rounds;
+    probe (a roofline.BandwidthProbe) is sampled after every timed run where given."""
     from ..llm import LLM
     from ..sampling import SamplingParams
 
@@ -119,6 +122,8 @@ def compare(base_llm, hf_fp32, dtype_name: str, batch: int, cfg: dict) -> dict:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+            if probe is not None:
+                probe.sample()
     tok_s = {name: batch * n / statistics.median(v) for name, v in times.items()}
     row = {"dtype": dtype_name, "batch": batch, "new_tokens": n, "prompt_tokens": len(words),
            **{f"{name}_tok_s": v for name, v in tok_s.items()},
@@ -142,11 +147,15 @@ def run(quick: bool) -> dict:
     for dtype_name in cfg["dtypes"]:
         dtype = getattr(torch, dtype_name)
         by_route = gemm_rates(1024 if quick else 2048, dtype)
-        rates[dtype_name] = {"bandwidth_GBps": roofline.measure_bandwidth(256 if quick else 512, dtype=dtype) / 1e9,
+        probe = roofline.BandwidthProbe(256 if quick else 512, dtype=dtype)
+        probe.sample()
+        by_batch = [compare(base, hf_fp32, dtype_name, batch, cfg, probe) for batch in cfg["batches"]]
+        rates[dtype_name] = {"bandwidth_GBps": probe.best / 1e9,
+                             "bandwidth_samples_GBps": [b / 1e9 for b in probe.samples],
                              "gemm_GFLOPs": max(by_route.values()) / 1e9,
                              "gemm_GFLOPs_by_route": {k: v / 1e9 for k, v in by_route.items()}}
-        for batch in cfg["batches"]:
-            row = compare(base, hf_fp32, dtype_name, batch, cfg)
+        del probe
+        for batch, row in zip(cfg["batches"], by_batch):
             bound = step_roofline(base.config, dtype, batch, rates[dtype_name]["bandwidth_GBps"] * 1e9,
                                   rates[dtype_name]["gemm_GFLOPs"] * 1e9)
             row.update({f"roofline_{k}": v for k, v in bound.items()})
