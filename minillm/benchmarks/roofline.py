@@ -75,7 +75,8 @@ def run(quick: bool) -> dict:
         t_cached = time_median(lambda: generate_greedy_fast(model, prompt, new_tokens), repeats=repeats)
         probe.sample(repeats)
         t_floor = time_median(lambda: weights_only_step(model), repeats=20)
-        bandwidth = max(probe.best, probe.sample(repeats))
+        probe.sample(repeats)
+        bandwidth = probe.best
         bound = bandwidth / wbytes
         row = {
             "dtype": dtype_name, "params_M": model.cfg.num_parameters() / 1e6, "weight_MB": wbytes / 1e6,
