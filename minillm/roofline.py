@@ -175,3 +175,17 @@ def measure_flops(n: int = 2048, dtype=torch.float32, repeats: int = 5, device="
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     return 2 * n**3 / time_median(lambda: a @ b, repeats, device=device)
+
+
+def measure_gemm_rates(n: int = 2048, dtype=torch.float32, repeats: int = 5) -> dict[str, float]:
+    """FLOP/s of a square (n x n) GEMM on the CPU by each route: torch's a @ b and each library that
+    can prepack the weight (minillm/prepacked.py). The fastest is what the machine can do; a @ b alone
+    can understate it by 2x or more (lesson 07: MKL's fp32 GEMM on an AMD CPU)."""
+    from . import prepacked
+
+    rates = {"torch a @ b": measure_flops(n, dtype=dtype, repeats=repeats)}
+    w, x = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)    # (out, in), (n rows, in)
+    for library in prepacked.libraries_for(w):
+        packed = prepacked.PrepackedLinear(w, n, library)
+        rates[library] = 2 * n ** 3 / time_median(lambda: packed(x), repeats)
+    return rates

@@ -21,13 +21,3 @@ def test_step_roofline_is_the_slower_of_reading_the_weights_and_the_gemm():
 def test_tokens_are_compared_only_up_to_the_first_end_of_sequence():
     assert engine_step.before_eos([5, 6, 2, 7], eos=2) == [5, 6]
     assert engine_step.before_eos([5, 6, 7], eos=2) == [5, 6, 7]
-
-
-def test_gemm_rates_time_torch_and_every_prepacking_library(monkeypatch):
-    from minillm import prepacked, roofline
-
-    monkeypatch.setattr(roofline, "measure_flops", lambda n, dtype: 5.0)          # torch's a @ b: 5 FLOP/s
-    monkeypatch.setattr(roofline, "time_median", lambda fn, repeats: 2 * 8 ** 3 / 7.0)   # prepacked: 7 FLOP/s
-    libraries = prepacked.libraries_for(torch.randn(8, 8))
-    rates = engine_step.gemm_rates(8, torch.float32)
-    assert rates == {"torch a @ b": 5.0, **{library: pytest.approx(7.0) for library in libraries}}

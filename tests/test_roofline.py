@@ -89,3 +89,14 @@ def test_bandwidth_over_time_records_both_thread_counts_and_restores_the_threads
     assert out["lowest_GBps"] == min(out[f"threads_{threads}"]) > 0
     assert out["highest_GBps"] == max(out[f"threads_{threads}"])
     assert torch.get_num_threads() == threads
+
+
+def test_gemm_rates_time_torch_and_every_prepacking_library(monkeypatch):
+    import torch
+    from minillm import prepacked, roofline
+
+    monkeypatch.setattr(roofline, "measure_flops", lambda n, dtype, repeats: 5.0)     # torch's a @ b: 5 FLOP/s
+    monkeypatch.setattr(roofline, "time_median", lambda fn, repeats: 2 * 8 ** 3 / 7.0)   # prepacked: 7 FLOP/s
+    libraries = prepacked.libraries_for(torch.randn(8, 8))
+    rates = roofline.measure_gemm_rates(8, torch.float32)
+    assert rates == {"torch a @ b": 5.0, **{library: pytest.approx(7.0) for library in libraries}}

@@ -18,7 +18,8 @@ The roofline of a decode step at batch B reads every weight once and does 2 FLOP
 row: step time >= max(weight bytes / bandwidth, 2 * params * B / GEMM rate), both rates measured
 in this run in the same dtype (the bandwidth by roofline.BandwidthProbe, sampled after every timed
 run, the fastest sample kept: it moves on a VM; the GEMM rate is the fastest of torch's
-a @ b and each prepacking library's GEMM on a square 2048 matrix, all recorded: gemm_rates, and
+a @ b and each prepacking library's GEMM on a square 2048 matrix, all recorded:
+roofline.measure_gemm_rates, and
 machine_rates.<dtype>.gemm_GFLOPs_by_route). The libraries prepacking chose per weight
 shape are recorded (summary.prepacked_libraries), and so is why the engine attends in fp32 on CPU:
 one bf16 decode-group attention by torch's bf16 SDPA kernel against the engine's fp32 one on upcast
@@ -52,16 +53,6 @@ def step_roofline(cfg, dtype: torch.dtype, batch: int, bandwidth: float, gemm_ra
     read_s = roofline.weight_bytes(cfg, elem) / bandwidth
     gemm_s = 2 * cfg.num_parameters() * batch / gemm_rate
     return {"read_ms": 1e3 * read_s, "gemm_ms": 1e3 * gemm_s, "bound_tok_s": batch / max(read_s, gemm_s)}
-
-
-def gemm_rates(n: int, dtype: torch.dtype) -> dict[str, float]:
-    """FLOP/s of a square (n x n) GEMM here by each route: torch's a @ b and each prepacking library."""
-    rates = {"torch a @ b": roofline.measure_flops(n, dtype=dtype)}
-    w, x = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)    # (out, in), (n rows, in)
-    for library in prepacked.libraries_for(w):
-        packed = prepacked.PrepackedLinear(w, n, library)
-        rates[library] = 2 * n ** 3 / roofline.time_median(lambda: packed(x), 5)
-    return rates
 
 
 def attention_times(batch: int, keys: int, cfg) -> dict[str, float]:
@@ -146,7 +137,7 @@ def run(quick: bool) -> dict:
     rows, rates = [], {}
     for dtype_name in cfg["dtypes"]:
         dtype = getattr(torch, dtype_name)
-        by_route = gemm_rates(1024 if quick else 2048, dtype)
+        by_route = roofline.measure_gemm_rates(1024 if quick else 2048, dtype)
         probe = roofline.BandwidthProbe(256 if quick else 512, dtype=dtype)
         probe.sample()
         by_batch = [compare(base, hf_fp32, dtype_name, batch, cfg, probe) for batch in cfg["batches"]]
