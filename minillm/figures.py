@@ -104,6 +104,30 @@ def draw_roofline(path: Path) -> Path:
     return save(fig, path)
 
 
+def draw_bandwidth_over_time(path: Path, roofline_json: Path = ROOT / "results" / "roofline.json") -> Path:
+    """The read bandwidth samples of lesson 01's run (summary.bandwidth_over_time) in the order taken,
+    with every thread, then with one, beside the bound's denominator (the fastest sample of the fp32 rows)."""
+    doc = json.loads(roofline_json.read_text())
+    series = doc["summary"]["bandwidth_over_time"]
+    fig = new_figure(2.6)
+    ax = fig.subplots()
+    start = 0
+    for key in sorted((k for k in series if k.startswith("threads_")), key=lambda k: k == "threads_1"):
+        samples = series[key]                                              # taken in this order, one series after the other
+        ax.plot(range(start, start + len(samples)), samples, "o-", markersize=3,
+                color="0.6" if key == "threads_1" else "0.2", label=key.replace("threads_", "threads: "))
+        start += len(samples)
+    best = doc["results"][0]["bandwidth_GBps"]
+    ax.axhline(best, color="tab:red", linestyle=":", linewidth=1)
+    ax.text(0, best, f" fastest fp32 sample of the run: {best:.1f} GB/s (the bound's denominator)", fontsize=7,
+            color="tab:red", va="bottom")
+    ax.set(xlabel=f"sample, in the order taken ({series['seconds_apart']} s apart plus the time a sample takes)",
+           ylabel="read GB/s (512 MB, fp32)",
+           ylim=(0, best * 1.2), title=f"{doc['machine']['cpu']} VM: one function, one machine, one run")
+    ax.legend(fontsize=7, loc="lower right")
+    return save(fig, path)
+
+
 def draw_compute_bound_batch(ax, gpu: str = "H100 SXM") -> None:
     """roofline.compute_bound_batch against context, bf16 weights and KV; inf (never) is not drawn."""
     contexts = sorted({int(c) for c in torch.logspace(0, 13, 300, base=2).tolist()})
@@ -677,6 +701,7 @@ def draw_radix_tree(path: Path, prefix_json: Path = ROOT / "results" / "prefix.j
 
 FIGURES = {
     "roofline.png": lambda out, quick: draw_roofline(out),
+    "bandwidth_over_time.png": lambda out, quick: draw_bandwidth_over_time(out),
     "kv_growth.png": lambda out, quick: draw_kv_growth(out),
     "flash_tiles.png": lambda out, quick: draw_flash_tiles(out),
     "block_table.png": lambda out, quick: draw_block_table(out),
