@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from .common import document
+from .common import document, figure_path
 
 NAME = "batching"
 HF_BATCH = 16
@@ -333,8 +333,7 @@ def run(quick: bool, dtype: str = "bfloat16", workload: str = "main", json_path:
         if name == "continuous_chunked_prefix":
             extra["prefix_cached_tokens"] = r["cached"]
         results.append(summarise(name, r["wall"], useful, r["ttft"], r["tpot"], extra))
-    plot = json_path.removesuffix(".json") + "-steps.png" if json_path else \
-        "results/quick/batching-steps.png" if quick else "results/batching-steps.png"
+    plot = figure_path(json_path, "-steps", "batching-steps.png", quick)
     os.makedirs(os.path.dirname(plot), exist_ok=True)
     shown = median_run(runs["continuous_chunked_prefix"])
     _plot(shown["steps"], shown["t0"], plot)

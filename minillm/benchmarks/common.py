@@ -80,6 +80,14 @@ def document(name: str, config: dict, results: list, summary: dict) -> dict:
             "results": results, "summary": summary}
 
 
+def figure_path(json_path: str | None, suffix: str, default_name: str, quick: bool) -> str:
+    """Where a benchmark's figure goes: beside its JSON (x.json -> x<suffix>.png) when the CLI names one,
+    else results/<default_name> (results/quick/<default_name> in quick mode)."""
+    if json_path:
+        return json_path.removesuffix(".json") + suffix + ".png"
+    return f"results/quick/{default_name}" if quick else f"results/{default_name}"
+
+
 def write_json(doc: dict, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -128,8 +128,7 @@ def run(quick: bool, json_path: str | None = None) -> dict:
                    **profile_generate(llm, prompts, params)}
             rows.append(row)
             print(common.format_table([row], ["config", "ms_per_token"] + [f"{c} %" for c in CLASSES]), flush=True)
-    path = json_path.removesuffix(".json") + ".png" if json_path else \
-        "results/quick/profile.png" if quick else "results/profile.png"
+    path = common.figure_path(json_path, "", "profile.png", quick)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     plot(rows, path)
     config = {"model": "SmolLM2-135M-Instruct", "prompt_tokens": len(prompt), **cfg, "plot": str(path),

@@ -46,11 +46,11 @@ def bandwidth_over_time(samples: int, seconds_apart: float = 0.5, mbytes: int = 
     try:
         for n in (threads, 1):
             torch.set_num_threads(n)
-            probe.samples = []
+            first = len(probe.samples)
             for _ in range(samples):
                 probe.sample(3)
                 time.sleep(seconds_apart)
-            series[f"threads_{n}"] = [b / 1e9 for b in probe.samples]
+            series[f"threads_{n}"] = [b / 1e9 for b in probe.samples[first:]]
     finally:
         torch.set_num_threads(threads)
     every = series[f"threads_{threads}"]
