@@ -177,6 +177,27 @@ def measure_flops(n: int = 2048, dtype=torch.float32, repeats: int = 5, device="
     return 2 * n**3 / time_median(lambda: a @ b, repeats, device=device)
 
 
+class GemmProbe:
+    """GEMM rates by route (measure_gemm_rates), sampled again and again while a benchmark runs: like the
+    bandwidth, the rate a VM's cores reach moves during a run (bench engine-step saw a bf16 2048 GEMM at
+    about half its earlier rate in a later run). A bound states the fastest sample of each route."""
+
+    def __init__(self, n: int = 2048, dtype=torch.float32):
+        self.n, self.dtype = n, dtype
+        self.samples: list[dict[str, float]] = []                         # FLOP/s by route, in the order taken
+
+    def sample(self, repeats: int = 3) -> dict[str, float]:
+        self.samples.append(measure_gemm_rates(self.n, self.dtype, repeats))
+        return self.samples[-1]
+
+    @property
+    def best(self) -> dict[str, float]:
+        """Each route's fastest sample."""
+        if not self.samples:
+            raise RuntimeError("GemmProbe.best before any sample(): call sample() first")
+        return {route: max(s[route] for s in self.samples) for route in self.samples[0]}
+
+
 def measure_gemm_rates(n: int = 2048, dtype=torch.float32, repeats: int = 5) -> dict[str, float]:
     """FLOP/s of a square (n x n) GEMM on the CPU by each route: torch's a @ b and each library that
     can prepack the weight (minillm/prepacked.py). The fastest is what the machine can do; a @ b alone

@@ -32,3 +32,18 @@ def test_shares_add_up_to_the_wall_time_and_the_figure_draws(tmp_path):
     assert row["weight matmuls ms"] > 0 and all(row[f"{c} ms"] >= 0 for c in profile.CLASSES)
     profile.plot([dict(row, config="tiny")], tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_read_at_bandwidth_swaps_only_the_weight_matmul_time():
+    rows = [{"batch": 1, "model": "bfloat16", "ms_per_token": 9.0, "weight matmuls ms": 0.3},
+            {"batch": 1, "model": "int4-bf16", "ms_per_token": 7.0, "weight matmuls ms": 4.0},
+            {"batch": 16, "model": "int4-bf16", "ms_per_token": 1.0, "weight matmuls ms": 0.5}]
+    # 80 MB at 40 GB/s = 2 ms instead of the profiled 4: 7 - 4 + 2 = 5 ms a token
+    got = profile.read_at_bandwidth(rows, {"int4-bf16": 80_000_000}, bandwidth=40e9)
+    assert set(got) == {"int4-bf16"}                                        # quantised batch-1 rows only
+    limit = got["int4-bf16"]
+    assert limit["read_at_bandwidth_ms"] == pytest.approx(2.0)
+    assert limit["ms_per_token_if_read_at_bandwidth"] == pytest.approx(5.0)
+    assert limit["weight_matmuls_GBps"] == pytest.approx(20.0)
+    assert limit["vs_bf16"] == pytest.approx(9 / 7)
+    assert limit["vs_bf16_if_read_at_bandwidth"] == pytest.approx(9 / 5)

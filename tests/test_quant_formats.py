@@ -233,6 +233,19 @@ def test_weight_bytes_counts_scales():
     assert sizes["bits_per_param"] == pytest.approx(4 + 16 / 32 + 8 / 32)   # codes + fp16 scale + uint8 zero
 
 
+def test_decode_step_bytes_are_the_block_linears_and_the_head():
+    from minillm.quant import decode_step_bytes, quantize_lm_head
+
+    model = random_model(tiny_config(), seed=0)
+    embed = model.embed.weight
+    assert model.lm_head is None                                     # tied: the embedding is the head
+    assert decode_step_bytes(model) == weight_bytes(model)["linear_bytes"] + embed.numel() * 4
+    quantize_model(model, "int8")
+    quantize_lm_head(model)
+    assert decode_step_bytes(model) == weight_bytes(model)["linear_bytes"] + model.lm_head.weight_bytes()
+    assert decode_step_bytes(model) < embed.numel() * 4 + weight_bytes(model)["linear_bytes"]   # the int8 head is smaller
+
+
 def test_bad_arguments_raise_clear_errors():
     model = random_model(tiny_config(), seed=0)
     with pytest.raises(ValueError, match="method"):

@@ -79,6 +79,19 @@ def test_bandwidth_probe_keeps_every_sample_and_bounds_by_the_fastest(monkeypatc
     assert probe.best == second
 
 
+def test_gemm_probe_keeps_each_routes_fastest_sample(monkeypatch):
+    import minillm.roofline as roofline
+
+    probe = roofline.GemmProbe(n=64)
+    with pytest.raises(RuntimeError, match="sample"):
+        probe.best
+    rates = iter([{"torch a @ b": 1.0, "onednn": 5.0}, {"torch a @ b": 3.0, "onednn": 4.0}])
+    monkeypatch.setattr(roofline, "measure_gemm_rates", lambda n, dtype, repeats: next(rates))
+    probe.sample(), probe.sample()
+    assert len(probe.samples) == 2
+    assert probe.best == {"torch a @ b": 3.0, "onednn": 5.0}             # per route, from different samples
+
+
 def test_bandwidth_over_time_records_both_thread_counts_and_restores_the_threads():
     import torch
     from minillm.benchmarks.roofline import bandwidth_over_time

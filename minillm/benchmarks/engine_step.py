@@ -18,12 +18,20 @@ The roofline of a decode step at batch B reads every weight once and does 2 FLOP
 row: step time >= max(weight bytes / bandwidth, 2 * params * B / GEMM rate), both rates measured
 in this run in the same dtype (the bandwidth by roofline.BandwidthProbe, sampled after every timed
 run, the fastest sample kept: it moves on a VM; the GEMM rate is the fastest of torch's
-a @ b and each prepacking library's GEMM on a square 2048 matrix, all recorded:
-roofline.measure_gemm_rates, and
-machine_rates.<dtype>.gemm_GFLOPs_by_route). The libraries prepacking chose per weight
+a @ b and each prepacking library's GEMM on a square 2048 matrix, sampled after every round like the
+bandwidth and the fastest sample of each route kept, all recorded:
+roofline.GemmProbe, machine_rates.<dtype>.gemm_GFLOPs_by_route and gemm_GFLOPs_samples). The libraries prepacking chose per weight
 shape are recorded (summary.prepacked_libraries), and so is why the engine attends in fp32 on CPU:
 one bf16 decode-group attention by torch's bf16 SDPA kernel against the engine's fp32 one on upcast
 copies (summary.bf16_decode_attention).
+
+Between the roofline and the engine sits the GEMM floor: the engine's own prepacked GEMMs at B rows
+and nothing else, every layer's and the LM head's in order, timed once per round right after the
+engine (gemm_floor_ms). It is what this GEMM library does at these shapes: the roofline's rate is a
+square 2048 GEMM's, and B = 16 or 48 rows reuse each weight too few times to reach it
+(gemm_floor_fraction_of_roofline). The engine's median decode-only step (engine_decode_step_ms,
+from its step log) minus the floor is everything else a step does: attention, norms, RoPE, copies,
+Python (gemm_floor_share_of_step is the floor's share).
 """
 from __future__ import annotations
 
@@ -67,15 +75,44 @@ def attention_times(batch: int, keys: int, cfg) -> dict[str, float]:
             "engine_fp32_kernel_us": 1e6 * roofline.time_median(lambda: sdpa(q, k, v), 20)}
 
 
+def gemm_floor_ms(runner, batch: int, repeats: int = 10) -> float:
+    """The step's weight GEMMs and nothing else: every prepacked linear of every layer, then the LM
+    head, at `batch` rows, in layer order (so each weight comes from memory as it does in a step);
+    median ms. A step through these GEMMs cannot be faster than this with this library; the rest
+    of a step (attention, norms, RoPE, copies, Python) comes on top."""
+    if not runner.packed_layers or runner.packed_head is None:
+        raise ValueError("gemm_floor_ms needs a runner with prepacked weights (an engine built on CPU with prepack_rows)")
+    cfg, dtype = runner.model.cfg, runner.model.embed.weight.dtype
+    x = torch.randn(batch, cfg.dim, dtype=dtype)                              # (B, dim): values do not change speed
+    attn_out = torch.randn(batch, cfg.n_heads * cfg.head_dim, dtype=dtype)   # (B, Hq * D)
+    hidden = torch.randn(batch, cfg.ffn_dim, dtype=dtype)                     # (B, ffn)
+
+    def gemms():
+        for wqkv, wo, w_gate_up, w_down in runner.packed_layers:
+            wqkv(x), wo(attn_out), w_gate_up(x), w_down(hidden)
+        runner.packed_head(x)
+
+    return 1e3 * roofline.time_median(gemms, repeats)
+
+
+def decode_step_ms(step_log) -> float:
+    """Median wall time of the engine's steps in which every request decoded one token (no prefill)."""
+    times = [1e3 * s["seconds"] for s in step_log if s["num_decodes"] == s["num_seqs"] == s["num_tokens"]]
+    if not times:
+        raise ValueError("no decode-only step in the step log")
+    return statistics.median(times)
+
+
 def before_eos(ids: list[int], eos: int) -> list[int]:
     """ids up to their first end-of-sequence token: past it, ignore_eos (ours) and min_new_tokens
     (transformers: EOS masked) generate different things by design."""
     return ids[:ids.index(eos)] if eos in ids else ids
 
 
-def compare(base_llm, hf_fp32, dtype_name: str, batch: int, cfg: dict, probe=None) -> dict:
+def compare(base_llm, hf_fp32, dtype_name: str, batch: int, cfg: dict, probe=None, gemm_probe=None) -> dict:
     """The engine (prepacked and not) against transformers' batched generate, interleaved rounds;
-    probe (a roofline.BandwidthProbe) is sampled after every timed run where given."""
+    probe (a roofline.BandwidthProbe) is sampled after every timed run where given, gemm_probe
+    (a roofline.GemmProbe) after every round."""
     from ..llm import LLM
     from ..sampling import SamplingParams
 
@@ -93,9 +130,14 @@ def compare(base_llm, hf_fp32, dtype_name: str, batch: int, cfg: dict, probe=Non
     x = torch.tensor([words] * batch)                                     # (B, T) equal lengths: no padding
     tokens, eos = {}, tokenizer.eos_token_id
 
+    step_ms = []                                                          # the engine's decode steps, timed runs
+
     def ours(engine_llm, name):
+        engine_llm.engine.step_log.clear()
         outs = engine_llm.generate(prompts, params, use_tqdm=False)
         tokens[name] = [o.outputs[0].token_ids for o in outs]
+        if name == "engine":
+            step_ms.append(decode_step_ms(engine_llm.engine.step_log))
 
     def theirs():
         with torch.no_grad():
@@ -108,11 +150,17 @@ def compare(base_llm, hf_fp32, dtype_name: str, batch: int, cfg: dict, probe=Non
     for fn in systems.values():
         fn()                                                              # warm-up
     times = {name: [] for name in systems}
+    step_ms.clear()
+    floors = []                                                           # the GEMM floor, once per round
     for _ in range(cfg["rounds"]):
         for name, fn in systems.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+            if name == "engine":
+                floors.append(gemm_floor_ms(llm.engine.runner, batch, repeats=5))
+        if gemm_probe is not None:
+            gemm_probe.sample()
             if probe is not None:
                 probe.sample()
     tok_s = {name: batch * n / statistics.median(v) for name, v in times.items()}
@@ -120,6 +168,8 @@ def compare(base_llm, hf_fp32, dtype_name: str, batch: int, cfg: dict, probe=Non
            **{f"{name}_tok_s": v for name, v in tok_s.items()},
            "engine_vs_hf_batched": tok_s["engine"] / tok_s["hf_batched"],
            "prepacked_vs_unpacked": tok_s["engine"] / tok_s["engine_unpacked"],
+           "engine_decode_step_ms": statistics.median(step_ms), "gemm_floor_ms": statistics.median(floors),
+           "gemm_floor_share_of_step": statistics.median(floors) / statistics.median(step_ms),
            "same_tokens_packed_unpacked": tokens["engine"] == tokens["engine_unpacked"],
            "requests_equal_to_hf_before_eos": sum(before_eos(a, eos) == b[:len(before_eos(a, eos))]
                                                   for a, b in zip(tokens["engine"], tokens["hf_batched"])) / batch}
@@ -137,28 +187,36 @@ def run(quick: bool) -> dict:
     rows, rates = [], {}
     for dtype_name in cfg["dtypes"]:
         dtype = getattr(torch, dtype_name)
-        by_route = roofline.measure_gemm_rates(1024 if quick else 2048, dtype)
+        gemm_probe = roofline.GemmProbe(1024 if quick else 2048, dtype)
+        gemm_probe.sample()
         probe = roofline.BandwidthProbe(256 if quick else 512, dtype=dtype)
         probe.sample()
-        by_batch = [compare(base, hf_fp32, dtype_name, batch, cfg, probe) for batch in cfg["batches"]]
+        by_batch = [compare(base, hf_fp32, dtype_name, batch, cfg, probe, gemm_probe) for batch in cfg["batches"]]
+        by_route = gemm_probe.best
         rates[dtype_name] = {"bandwidth_GBps": probe.best / 1e9,
                              "bandwidth_samples_GBps": [b / 1e9 for b in probe.samples],
                              "gemm_GFLOPs": max(by_route.values()) / 1e9,
-                             "gemm_GFLOPs_by_route": {k: v / 1e9 for k, v in by_route.items()}}
+                             "gemm_GFLOPs_by_route": {k: v / 1e9 for k, v in by_route.items()},
+                             "gemm_GFLOPs_samples": [max(r.values()) / 1e9 for r in gemm_probe.samples]}
         del probe
         for batch, row in zip(cfg["batches"], by_batch):
             bound = step_roofline(base.config, dtype, batch, rates[dtype_name]["bandwidth_GBps"] * 1e9,
                                   rates[dtype_name]["gemm_GFLOPs"] * 1e9)
             row.update({f"roofline_{k}": v for k, v in bound.items()})
             row["engine_fraction_of_roofline"] = row["engine_tok_s"] / bound["bound_tok_s"]
+            row["gemm_floor_fraction_of_roofline"] = max(bound["read_ms"], bound["gemm_ms"]) / row["gemm_floor_ms"]
             rows.append(row)
             print(common.format_table([row], ["dtype", "batch", "engine_tok_s", "engine_unpacked_tok_s",
                                               "hf_batched_tok_s", "engine_vs_hf_batched", "prepacked_vs_unpacked",
-                                              "engine_fraction_of_roofline"]), flush=True)
+                                              "engine_fraction_of_roofline", "engine_decode_step_ms",
+                                              "gemm_floor_ms", "gemm_floor_fraction_of_roofline"]), flush=True)
     summary = {f"{r['dtype']}_B{r['batch']}": {k: r[k] for k in ("engine_tok_s", "engine_unpacked_tok_s",
                                                                   "hf_batched_tok_s", "engine_vs_hf_batched",
                                                                   "prepacked_vs_unpacked",
-                                                                  "engine_fraction_of_roofline")}
+                                                                  "engine_fraction_of_roofline",
+                                                                  "engine_decode_step_ms", "gemm_floor_ms",
+                                                                  "gemm_floor_share_of_step",
+                                                                  "gemm_floor_fraction_of_roofline")}
                for r in rows}
     summary["machine_rates"] = rates
     summary["prepacked_libraries"] = prepacked.chosen_libraries()

@@ -21,6 +21,13 @@ Every op's *self* time (its own time, children excluded, so nothing is counted t
 
 The profiler adds its own overhead (more ops, more of it), so ms per token here is above the plain
 timing of other benchmarks; the shares are what this measures.
+
+What a faster quantised GEMV alone could buy (summary.read_at_bandwidth): for each quantised batch-1
+model, its ms per token with the weight matmuls' time replaced by reading the bytes a decode step reads
+(quant.decode_step_bytes) at the fastest bandwidth sampled in this run (roofline.BandwidthProbe, after
+every batch-1 configuration), everything else as profiled; against the bf16 model's profiled ms per
+token. A kernel cannot read faster than that, so if even this ratio is below a goal, the goal needs
+less work around the matmuls too, not only a better kernel.
 """
 from __future__ import annotations
 
@@ -102,21 +109,50 @@ def profile_generate(llm, prompts: list, params) -> dict:
     return row
 
 
+def read_at_bandwidth(rows: list[dict], step_bytes: dict[str, int], bandwidth: float) -> dict:
+    """rows: batch-1 profile rows, one with model "bfloat16"; step_bytes: model -> weight bytes a decode
+    token reads, for the quantised models; bandwidth in bytes/s. -> per quantised model: its ms per token
+    as profiled and as it would be with its weight matmuls reading at `bandwidth`, both against bf16."""
+    bf16 = next(r for r in rows if r["batch"] == 1 and r["model"] == "bfloat16")["ms_per_token"]
+    out = {}
+    for r in rows:
+        if r["batch"] != 1 or r["model"] not in step_bytes:
+            continue
+        read_ms = 1e3 * step_bytes[r["model"]] / bandwidth
+        best = r["ms_per_token"] - r["weight matmuls ms"] + read_ms
+        out[r["model"]] = {"weight_MB": step_bytes[r["model"]] / 1e6,
+                           "weight_matmuls_ms": r["weight matmuls ms"],
+                           "weight_matmuls_GBps": step_bytes[r["model"]] / r["weight matmuls ms"] / 1e6,
+                           "read_at_bandwidth_ms": read_ms, "ms_per_token": r["ms_per_token"],
+                           "ms_per_token_if_read_at_bandwidth": best,
+                           "vs_bf16": bf16 / r["ms_per_token"], "vs_bf16_if_read_at_bandwidth": bf16 / best}
+    return out
+
+
 def run(quick: bool, json_path: str | None = None) -> dict:
     """json_path: where the document will be written; the figure goes beside it (x.json -> x.png)."""
+    from .. import roofline
     from ..llm import LLM
+    from ..quant import decode_step_bytes
+    from ..quant.linear import QuantLinear
     from ..sampling import SamplingParams
 
     cfg = settings(quick)
     base_llm = LLM(model="smollm2", dtype="float32", device="cpu")
     base, tokenizer = base_llm.model, base_llm.get_tokenizer()
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Write a short story about a lighthouse."}])
-    rows = []
+    rows, step_bytes = [], {}
+    probe = roofline.BandwidthProbe(256 if quick else 512, dtype=torch.bfloat16)
+    probe.sample()
     for key in cfg["batch1"]:
-        llm = LLM(model=build(base, key), tokenizer=tokenizer, device="cpu")
+        model = build(base, key)
+        if any(isinstance(m, QuantLinear) for m in model.modules()):
+            step_bytes[key] = decode_step_bytes(model)
+        llm = LLM(model=model, tokenizer=tokenizer, device="cpu")
         params = SamplingParams(temperature=0, max_tokens=cfg["new_tokens"], ignore_eos=True)
         row = {"config": f"batch 1, {key}", "batch": 1, "model": key, **profile_generate(llm, [prompt], params)}
         rows.append(row)
+        probe.sample()
         print(common.format_table([row], ["config", "ms_per_token"] + [f"{c} %" for c in CLASSES]), flush=True)
     words = tokenizer.encode(" ".join(["the lighthouse keeper wrote a letter to the sea"] * 3))[:16]
     for dtype in cfg["engine_dtypes"]:
@@ -133,7 +169,9 @@ def run(quick: bool, json_path: str | None = None) -> dict:
     plot(rows, path)
     config = {"model": "SmolLM2-135M-Instruct", "prompt_tokens": len(prompt), **cfg, "plot": str(path),
               "quick": quick}
-    summary = {"shares_pct": {r["config"]: {c: r[f"{c} %"] for c in CLASSES} for r in rows}}
+    summary = {"shares_pct": {r["config"]: {c: r[f"{c} %"] for c in CLASSES} for r in rows},
+               "bandwidth_GBps": probe.best / 1e9, "bandwidth_samples_GBps": [b / 1e9 for b in probe.samples],
+               "read_at_bandwidth": read_at_bandwidth(rows, step_bytes, probe.best)}
     return common.document(NAME, config, rows, summary)
 
 

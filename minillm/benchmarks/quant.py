@@ -113,7 +113,7 @@ def speed(models: dict, tokenizer, cfg: dict) -> dict:
     paths, and the bytes a decode step reads (linear layers and LM head)."""
     from ..evaluate import perplexity
     from ..llm import LLM
-    from ..quant import quantize_lm_head, weight_bytes
+    from ..quant import decode_step_bytes, quantize_lm_head
     from ..quant.cpu_kernels import reference_path
     from ..quant.linear import QuantLinear
     from ..sampling import SamplingParams
@@ -123,9 +123,7 @@ def speed(models: dict, tokenizer, cfg: dict) -> dict:
         quantised = any(isinstance(m, QuantLinear) for m in model.modules())
         if quantised:
             quantize_lm_head(model)                    # as LLM(quantization=...) does on a CPU
-        head = model.lm_head if model.lm_head is not None else model.embed
-        head_bytes = head.weight_bytes() if isinstance(head, QuantLinear) else head.weight.numel() * head.weight.element_size()
-        step_bytes[key] = weight_bytes(model)["linear_bytes"] + head_bytes        # before LLM adds fused views
+        step_bytes[key] = decode_step_bytes(model)                    # before LLM adds fused views
         kernels = any(isinstance(m, QuantLinear) and m.cpu_unsupported is None for m in model.layers.modules())
         llms[key] = (LLM(model=model, tokenizer=tokenizer, device="cpu", max_num_batched_tokens=64), kernels)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is a quantised model?"}])

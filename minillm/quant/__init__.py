@@ -281,6 +281,15 @@ def weight_bytes(model) -> dict:
             "bits_per_param": 8 * linear_bytes / linear_params, "model_bytes": linear_bytes + other}
 
 
+def decode_step_bytes(model) -> int:
+    """Weight bytes one decode token reads: every linear layer of the blocks (packed codes and
+    scales where quantised) and the LM head (the tied embedding when there is no separate head).
+    Embedding rows and norms are left out: a token reads one row and a few vectors of them."""
+    head = model.lm_head if model.lm_head is not None else model.embed
+    head_bytes = head.weight_bytes() if isinstance(head, QuantLinear) else head.weight.numel() * head.weight.element_size()
+    return weight_bytes(model)["linear_bytes"] + head_bytes
+
+
 def _is_linear_weight(model, name: str) -> bool:
     module_name, _, attr = name.rpartition(".")
     if not module_name.startswith("layers."):
