@@ -11,10 +11,13 @@ concatenates them all into ONE flat sequence of N tokens, so every linear layer 
 
 Only attention needs to know where one request ends and the next begins:
 - decode rows (one new token each) attend together: on a GPU the Triton kernel walks each
-  block table (kernels/paged_attention.py); on CPU we copy each request's blocks (whole
-  blocks, into one buffer reused by every layer) into a padded (Bg, L_pad, Hkv, D) batch and
-  run torch's SDPA with a padding mask, in groups of rows of similar length so that short
-  requests are not padded to the longest one (group_by_length);
+  block table (kernels/paged_attention.py); on CPU, in groups of rows of similar length so
+  that short requests are not padded to the longest one (group_by_length), by a compiled
+  kernel that reads each request's blocks straight from the cache
+  (paged_attention.decode_attention_fused, NEW: fused decode attention); where compiling is
+  unavailable, and for an int8/fp8 cache or speculative runs, we copy each request's blocks
+  (whole blocks, into one buffer reused by every layer) into a padded (Bg, L_pad, Hkv, D)
+  batch and run torch's SDPA with a padding mask;
 - a prefill chunk of T tokens after `start` cached ones attends to start + T keys, causally
   with an offset (query t sees keys 0..start + t).
 On CPU a bf16/fp16 model attends in fp32 (sdpa): torch's 2-byte CPU SDPA kernel is slower than
@@ -31,11 +34,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import prepacked
+from . import fast_decode, prepacked
 from .kernel_args import INTERPRETED
 from .fast_decode import is_fused, linear, lm_head, rms_norm
 from .model import Llama, ModelConfig
-from .paged_attention import block_table_tensor, copy_blocks, gather_kv, store_kv_reference
+from .paged_attention import block_table_tensor, copy_blocks, decode_attention_fused, gather_kv, store_kv_reference
 from .positions import RopeTable, apply_rope_complex, causal_mask
 
 
@@ -138,8 +141,9 @@ class DecodeGroup:
     each has Tq query rows or fewer (1 for a plain decode, 1 + k for a speculative verification)."""
     rows: torch.Tensor             # (Bg, Tq) rows of the batch (padding: repeats a real row)
     real: torch.Tensor             # (Bg, Tq) True where a query row is real
-    tables: torch.Tensor           # (Bg, n) int32 block tables (padding: block 0)
+    tables: torch.Tensor           # (Bg, n) int64 block tables (padding: block 0)
     mask: torch.Tensor             # (Bg, 1, Tq, n * block_size) True where query t may see key j
+    seq_lens: torch.Tensor         # (Bg,) int64 keys the last query of each request sees
 
 
 @dataclass
@@ -202,7 +206,7 @@ def _decode_group(members: list[tuple[int, int, int, list[int]]], block_size: in
     """members: (row, T, start, block table) of each request. Query t of a request sees its keys
     0..start + t (causal within its own new tokens); padded query rows see key 0 only."""
     Tq = max(T for _, T, _, _ in members)
-    tables = block_table_tensor([table for _, _, _, table in members])          # (Bg, n)
+    tables = block_table_tensor([table for _, _, _, table in members]).long()   # (Bg, n)
     t = torch.arange(Tq)                                                          # (Tq,)
     lengths = torch.tensor([T for _, T, _, _ in members])                         # (Bg,)
     starts = torch.tensor([start for _, _, start, _ in members])                  # (Bg,)
@@ -212,7 +216,8 @@ def _decode_group(members: list[tuple[int, int, int, list[int]]], block_size: in
     keys = torch.arange(tables.shape[1] * block_size)                             # (n * bs,)
     visible = starts[:, None] + torch.where(real, t[None, :], 0)                  # (Bg, Tq) last key seen
     mask = keys[None, None, :] <= visible[:, :, None]                             # (Bg, Tq, n * bs)
-    return DecodeGroup(rows.to(device), real.to(device), tables.to(device), mask[:, None].to(device))
+    return DecodeGroup(rows.to(device), real.to(device), tables.to(device), mask[:, None].to(device),
+                       (starts + lengths).to(device))
 
 
 def sdpa(q, keys, values, attn_mask=None, is_causal=False):
@@ -225,6 +230,37 @@ def sdpa(q, keys, values, attn_mask=None, is_causal=False):
     out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=attn_mask,
                                          is_causal=is_causal, enable_gqa=True)
     return out.to(q.dtype)
+
+
+_compiled_decode_attention = torch.compile(decode_attention_fused)
+
+
+def fused_decode_attention(q, k_cache, v_cache, block_tables, seq_lens):
+    """decode_attention_fused compiled once per head layout, block size and dtype: the rows, the blocks
+    per row and the pool size are marked symbolic from the first call, while the head counts, head
+    size and block size stay constants of the generated loops (all-symbolic code, dynamic=True or a
+    symbolic block size, ran several times slower here). Rows and blocks per row are padded to at least 2 (a repeated row, a repeated
+    block past seq_lens): torch specialises a size of 1, which would cost a graph of its own.
+    Where compiling fails, the same contract by gather + SDPA."""
+    B, n = block_tables.shape
+    if B == 1:
+        q, block_tables, seq_lens = torch.cat([q, q]), torch.cat([block_tables, block_tables]), seq_lens.repeat(2)
+    if n == 1:
+        block_tables = block_tables.repeat(1, 2)                           # the copy is past seq_lens: masked
+    for t, dims in ((q, (0,)), (block_tables, (0, 1)), (seq_lens, (0,)), (k_cache, (0,)), (v_cache, (0,))):
+        for d in dims:
+            torch._dynamo.mark_dynamic(t, d)
+    out = fast_decode._run_compiled(_compiled_decode_attention, _decode_attention_gathered,
+                                    q, k_cache, v_cache, block_tables, seq_lens)      # (B', Hq, D)
+    return out[:B]
+
+
+def _decode_attention_gathered(q, k_cache, v_cache, block_tables, seq_lens):
+    """decode_attention_fused's contract by gather + SDPA: what runs where compiling fails."""
+    keys, values = gather_kv(k_cache, v_cache, block_tables, dtype=q.dtype)   # (B, L, Hkv, D)
+    visible = torch.arange(keys.shape[1], device=q.device) < seq_lens[:, None]  # (B, L)
+    out = sdpa(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible[:, None, None])
+    return out[:, :, 0]                                                          # (B, Hq, D)
 
 
 class ModelRunner:
@@ -246,6 +282,9 @@ class ModelRunner:
         self.use_triton = (kv.k.device.type == "cuda" or triton_on_cpu) and not kv.quantized
         self.graphs = None                      # NEW: CUDA graphs; a cuda_graphs.DecodeGraphs set by the engine
         self._buffers = [torch.empty(0, dtype=kv.k.dtype, device=kv.k.device) for _ in range(2)]
+        # NEW: fused decode attention, on CPU for a cache in the model's dtype
+        self.fused_decode_attention = kv.k.device.type == "cpu" and not self.use_triton and not kv.quantized
+        self.fused_attention_calls = 0          # tests prove the path ran
 
     def drop_prepacked(self) -> None:
         """Run on plain F.linear from now on (frees the packed copies; bench engine-step compares)."""
@@ -268,6 +307,9 @@ class ModelRunner:
         (and no page faults) per layer: a fresh 10 MB tensor per layer cost as much as the copy."""
         if self.kv.quantized or self.use_triton or not batch.decode_groups:
             return None                                                  # dequantising allocates anyway
+        if (self.fused_decode_attention and fast_decode._compiler_broken is None
+                and all(g.rows.shape[1] == 1 for g in batch.decode_groups)):
+            return None                                                  # the fused kernel gathers nothing
         shape = (max(g.tables.numel() for g in batch.decode_groups), *self.kv.k.shape[2:])
         n = math.prod(shape)
         for i, buf in enumerate(self._buffers):
@@ -353,9 +395,21 @@ class ModelRunner:
             if only_decodes:                                              # rows are 0..N-1 in order
                 return od
             out[batch.decode_rows] = od
-        elif batch.decode_groups:                                         # CPU: copy blocks, then SDPA
+        elif batch.decode_groups:                                         # CPU
             in_order = only_decodes and len(batch.decode_groups) == 1 and not batch.grouped_runs
+            fused = self.fused_decode_attention and fast_decode._compiler_broken is None
             for g in batch.decode_groups:
+                if fused and g.rows.shape[1] == 1:                        # NEW: fused decode attention
+                    qd = (q if in_order else q[g.rows[:, 0]]).contiguous()   # (Bg, Hq, D): one layout, one graph
+                    od = fused_decode_attention(qd, k_cache, v_cache, g.tables, g.seq_lens)   # (Bg, Hq, D)
+                    self.fused_attention_calls += 1
+                    if in_order:
+                        return od
+                    if out is None:
+                        out = torch.empty_like(q)
+                    out[g.rows[:, 0]] = od
+                    continue
+                # copy blocks, then SDPA
                 qd = q[:, None] if in_order else q[g.rows]                # (Bg, Tq, Hq, D)
                 reuse = None if buffers is None else tuple(b[:g.tables.numel()] for b in buffers)
                 keys, values = self.kv.gather(layer, g.tables, reuse)    # (Bg, n * bs, Hkv, D)

@@ -11,6 +11,7 @@ head, a block is block_size rows of D contiguous numbers, which the decode kerne
     copy_blocks                BlockManager.append_slots' copy-on-write pairs
     gather_kv                  whole blocks of block tables -> K, V padded to whole blocks
     paged_attention_reference  decode attention the simple way: gather, then plain softmax
+    decode_attention_fused     the same, written for torch.compile: the CPU engine's decode path
     paged_attention_split      the Triton decode kernel's algorithm: tiles, page walk, split-K
 
 The model runner (minillm/model_runner.py) stores, copies and gathers with these on CPU; on a GPU
@@ -114,6 +115,33 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.
             x = dequantize(x, gather_blocks(scales, block_tables), dtype)
         result.append(x)
     return result[0], result[1]
+
+
+def decode_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Decode attention over a paged cache, written for torch.compile on CPU (the engine compiles it).
+
+    q (B, Hq, D): one new token per sequence; k_cache, v_cache (num_blocks, block_size, Hkv, D);
+    block_tables (B, n) int64; seq_lens (B,) keys per sequence (>= 1). -> (B, Hq, D) in q's dtype,
+    computed in fp32 with the 1/sqrt(D) scale. The gather, the upcast, q.K, the masked softmax and
+    p.V are written as indexing, broadcast products and sums, so that Inductor fuses them into loops
+    that read each sequence's blocks from the cache once: no gathered copy of K/V, no fp32 copy
+    (what the gather-then-SDPA path pays every layer). The query heads of one KV head are its G
+    rows (GQA without repeating K/V). Run eagerly it would materialise a (B, Hkv, G, L, D) product:
+    compiled use only (the runner falls back to gather + SDPA where compiling fails).
+    """
+    B, Hq, D = q.shape
+    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G, L = Hq // Hkv, block_tables.shape[1] * block_size
+    keys = k_cache[block_tables].view(B, L, Hkv, D).permute(0, 2, 1, 3).float()       # (B, Hkv, L, D)
+    values = v_cache[block_tables].view(B, L, Hkv, D).permute(0, 2, 1, 3).float()
+    qg = q.view(B, Hkv, G, D).float() * D ** -0.5                                         # (B, Hkv, G, D)
+    scores = (qg[:, :, :, None, :] * keys[:, :, None]).sum(-1)                          # (B, Hkv, G, L)
+    past = torch.arange(L, device=q.device) >= seq_lens[:, None, None, None]             # (B, 1, 1, L)
+    weights = torch.softmax(scores.masked_fill(past, float("-inf")), dim=-1)            # (B, Hkv, G, L)
+    values = values.masked_fill(past.transpose(-1, -2), 0.0)                             # stale inf/nan * 0 would be nan
+    out = (weights[..., None] * values[:, :, None]).sum(-2)                              # (B, Hkv, G, D)
+    return out.reshape(B, Hq, D).to(q.dtype)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

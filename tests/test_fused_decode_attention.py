@@ -1,0 +1,94 @@
+"""The CPU engine's fused decode attention (paged_attention.decode_attention_fused, compiled by
+model_runner.fused_decode_attention) against the gather-then-softmax reference, and the engine
+really running it: same tokens as its gather + SDPA path, with the calls counted."""
+import pytest
+import torch
+
+from helpers import CharTokenizer, random_prompts
+from minillm import LLM, SamplingParams
+from minillm.model import random_model, tiny_config
+from minillm.model_runner import _decode_attention_gathered, fused_decode_attention
+from minillm.paged_attention import paged_attention_reference
+
+
+def paged_case(lengths, num_heads, num_kv_heads, head_dim=16, block_size=4, dtype=torch.float32, seed=0):
+    """q (B, Hq, D), a pool whose blocks are scattered and filled with noise, int64 block tables
+    (B, n) padded with block 0, and seq_lens (B,)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(per_seq) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(lengths), max(per_seq), dtype=torch.long)
+    for row, nb in enumerate(per_seq):
+        tables[row, :nb] = torch.tensor(order[:nb])
+        order = order[nb:]
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lengths)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (9, 3)])
+@pytest.mark.parametrize("lengths", [[1], [5, 17, 3, 12], [4, 4], [33, 1, 70]])
+def test_fused_decode_attention_matches_the_reference_in_fp32(num_heads, num_kv_heads, lengths):
+    # [1] and [4, 4] with block size 4: one row and one block per row, which the wrapper pads
+    q, k_cache, v_cache, tables, lens = paged_case(lengths, num_heads, num_kv_heads)
+    want = paged_attention_reference(q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5)   # (B, Hq, D)
+    got = fused_decode_attention(q, k_cache, v_cache, tables, lens)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_decode_attention_gathered(q, k_cache, v_cache, tables, lens), want,
+                               atol=1e-5, rtol=1e-5)                    # the fallback keeps the contract
+
+
+def test_fused_decode_attention_in_bf16_is_fp32_math_rounded_once():
+    q, k_cache, v_cache, tables, lens = paged_case([9, 30, 2], 9, 3, dtype=torch.bfloat16)
+    exact = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, lens,
+                                      q.shape[-1] ** -0.5)             # fp32 on the same rounded inputs
+    got = fused_decode_attention(q, k_cache, v_cache, tables, lens)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - exact).abs().max() <= 2 ** -8 * exact.abs().max()   # one bf16 rounding of the output
+
+
+def test_keys_past_a_sequence_are_never_read():
+    q, k_cache, v_cache, tables, lens = paged_case([6, 11], 4, 2)
+    want = fused_decode_attention(q, k_cache, v_cache, tables, lens)
+    k_poisoned, v_poisoned = k_cache.clone(), v_cache.clone()
+    block_size = k_cache.shape[1]
+    for row, n in enumerate(lens.tolist()):                             # the rest of the last block, padding blocks
+        for p in range(n, tables.shape[1] * block_size):
+            block = tables[row, p // block_size]
+            if block != 0 or p // block_size < -(-n // block_size):
+                k_poisoned[block, p % block_size] = 1e4
+                v_poisoned[block, p % block_size] = float("nan")
+    torch.testing.assert_close(fused_decode_attention(q, k_poisoned, v_poisoned, tables, lens), want)
+
+
+def tiny_llm(**kwargs):
+    model = random_model(tiny_config(), seed=0)
+    return LLM(model=model, tokenizer=CharTokenizer(), device="cpu", max_model_len=256, **kwargs)
+
+
+def test_engine_runs_the_fused_decode_attention_and_gives_the_gather_paths_tokens():
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 40, 9, 25, 70, 1], 200)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = tiny_llm(max_num_seqs=6)
+    runner = llm.engine.runner
+    assert runner.fused_decode_attention
+    runner.fused_decode_attention = False                               # gather + SDPA
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert runner.fused_attention_calls == 0
+    runner.fused_decode_attention = True
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    # every decode step attends in every layer (groups by length may split a step into several calls)
+    assert runner.fused_attention_calls >= 15 * tiny_config().n_layers
+    llm.close()
+
+
+def test_an_int8_kv_cache_keeps_the_gather_path():
+    llm = tiny_llm(max_num_seqs=2, kv_cache_dtype="int8")
+    assert not llm.engine.runner.fused_decode_attention                # its gather dequantises
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert llm.engine.runner.fused_attention_calls == 0
+    llm.close()
