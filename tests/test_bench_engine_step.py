@@ -69,3 +69,9 @@ def test_decode_step_time_is_the_median_of_decode_only_steps():
     assert engine_step.decode_step_ms(log) == pytest.approx(20.0)
     with pytest.raises(ValueError, match="decode-only"):
         engine_step.decode_step_ms(log[:1])
+
+
+def test_attention_times_cover_the_laid_out_and_the_paged_paths():
+    times = engine_step.attention_times(batch=3, keys=20, cfg=tiny_config(), block_size=8)
+    assert set(times) == {"bf16_kernel_us", "engine_fp32_kernel_us", "paged_gather_sdpa_us", "paged_fused_us"}
+    assert all(t > 0 for t in times.values())

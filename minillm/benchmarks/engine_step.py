@@ -23,7 +23,8 @@ bandwidth and the fastest sample of each route kept, all recorded:
 roofline.GemmProbe, machine_rates.<dtype>.gemm_GFLOPs_by_route and gemm_GFLOPs_samples). The libraries prepacking chose per weight
 shape are recorded (summary.prepacked_libraries), and so is why the engine attends in fp32 on CPU:
 one bf16 decode-group attention by torch's bf16 SDPA kernel against the engine's fp32 one on upcast
-copies (summary.bf16_decode_attention).
+copies, and from a paged cache, gather + SDPA against the engine's fused kernel
+(summary.bf16_decode_attention at the run's context, bf16_decode_attention_long at 512 keys).
 
 Between the roofline and the engine sits the GEMM floor: the engine's own prepacked GEMMs at B rows
 and nothing else, every layer's and the LM head's in order, timed once per round right after the
@@ -63,16 +64,27 @@ def step_roofline(cfg, dtype: torch.dtype, batch: int, bandwidth: float, gemm_ra
     return {"read_ms": 1e3 * read_s, "gemm_ms": 1e3 * gemm_s, "bound_tok_s": batch / max(read_s, gemm_s)}
 
 
-def attention_times(batch: int, keys: int, cfg) -> dict[str, float]:
+def attention_times(batch: int, keys: int, cfg, block_size: int = 16) -> dict[str, float]:
     """Microseconds of one decode-group attention on CPU (batch rows, one query each, `keys` keys, the
-    model's heads), bf16 inputs: torch's bf16 SDPA kernel against the engine's (fp32 kernel on copies)."""
-    from ..model_runner import sdpa
+    model's heads), bf16 inputs. On K/V already laid out per request: torch's bf16 SDPA kernel against
+    its fp32 one on upcast copies (model_runner.sdpa). From a paged cache (each request's blocks
+    scattered over a pool): gather + upcast + SDPA (the engine's path before, and still its fallback)
+    against the fused compiled kernel that reads the blocks in place (model_runner.fused_decode_attention)."""
+    from ..model_runner import _decode_attention_gathered, fused_decode_attention, sdpa
 
-    q = torch.randn(batch, cfg.n_heads, 1, cfg.head_dim).bfloat16()          # (B, Hq, 1, D)
-    k, v = (torch.randn(batch, cfg.n_kv_heads, keys, cfg.head_dim).bfloat16() for _ in range(2))   # (B, Hkv, L, D)
+    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    q = torch.randn(batch, H, 1, D).bfloat16()                                # (B, Hq, 1, D)
+    k, v = (torch.randn(batch, Hkv, keys, D).bfloat16() for _ in range(2))   # (B, Hkv, L, D)
     bf16_kernel = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)   # noqa: E731
+    n = -(-keys // block_size)
+    pool = [torch.randn(batch * n + 1, block_size, Hkv, D).bfloat16() for _ in range(2)]   # (blocks, bs, Hkv, D)
+    tables = torch.randperm(batch * n + 1)[:batch * n].view(batch, n)         # (B, n)
+    lens = torch.full((batch,), keys)
+    paged = (q[:, :, 0], *pool, tables, lens)
     return {"bf16_kernel_us": 1e6 * roofline.time_median(bf16_kernel, 20),
-            "engine_fp32_kernel_us": 1e6 * roofline.time_median(lambda: sdpa(q, k, v), 20)}
+            "engine_fp32_kernel_us": 1e6 * roofline.time_median(lambda: sdpa(q, k, v), 20),
+            "paged_gather_sdpa_us": 1e6 * roofline.time_median(lambda: _decode_attention_gathered(*paged), 20),
+            "paged_fused_us": 1e6 * roofline.time_median(lambda: fused_decode_attention(*paged), 20)}
 
 
 def gemm_floor_ms(runner, batch: int, repeats: int = 10) -> float:
@@ -222,4 +234,6 @@ def run(quick: bool) -> dict:
     summary["prepacked_libraries"] = prepacked.chosen_libraries()
     summary["bf16_decode_attention"] = {f"B{b}": attention_times(b, cfg["prompt_tokens"] + cfg["new_tokens"],
                                                                  base.config) for b in cfg["batches"]}
+    summary["bf16_decode_attention_long"] = {f"B{b}": attention_times(b, 128 if quick else 512, base.config)
+                                             for b in cfg["batches"]}
     return common.document(NAME, {"model": "SmolLM2-135M-Instruct", **cfg, "quick": quick}, rows, summary)
