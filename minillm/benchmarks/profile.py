@@ -11,9 +11,10 @@ Every op's *self* time (its own time, children excluded, so nothing is counted t
 
     weight matmuls   aten mm / addmm / mv / linear / mkldnn, the int8 / int4 packed-weight kernels
     attention        torch's fused SDPA, bmm / baddbmm, softmax
-    compiled code    the self time of a torch.compile region: the C++ loops Inductor generated (norms,
-                     RoPE, the row-wise GEMVs and attention of the compiled step); its extern calls
-                     (the packed kernels) are ops of their own and counted above
+    compiled code    the self time of a torch.compile region: the C++ loops Inductor generated (batch 1:
+                     the norms, RoPE, row-wise GEMVs and attention of the compiled step; the engine: its
+                     fused decode attention); their extern calls (the packed kernels) are ops of their
+                     own and counted above
     copies, gathers  copy_, index / index_select / index_put_, cat, gather, clone, to, contiguous, ...
     other ops        every other aten op (elementwise, argmax, sampling, ...)
     outside ops      wall time minus all op time: Python (the scheduler, the runner, the sampler's
