@@ -239,9 +239,9 @@ def fused_decode_attention(q, k_cache, v_cache, block_tables, seq_lens):
     """decode_attention_fused compiled once per head layout, block size and dtype: the rows, the blocks
     per row and the pool size are marked symbolic from the first call, while the head counts, head
     size and block size stay constants of the generated loops (all-symbolic code, dynamic=True or a
-    symbolic block size, ran several times slower here). Rows and blocks per row are padded to at least 2 (a repeated row, a repeated
-    block past seq_lens): torch specialises a size of 1, which would cost a graph of its own.
-    Where compiling fails, the same contract by gather + SDPA."""
+    symbolic block size, ran several times slower here). Rows and blocks per row are padded to at
+    least 2 (a repeated row, a repeated block past seq_lens): torch specialises a size of 1, which
+    would cost a graph of its own. Where compiling fails, the same contract by gather + SDPA."""
     B, n = block_tables.shape
     if B == 1:
         q, block_tables, seq_lens = torch.cat([q, q]), torch.cat([block_tables, block_tables]), seq_lens.repeat(2)
@@ -249,7 +249,7 @@ def fused_decode_attention(q, k_cache, v_cache, block_tables, seq_lens):
         block_tables = block_tables.repeat(1, 2)                           # the copy is past seq_lens: masked
     for t, dims in ((q, (0,)), (block_tables, (0, 1)), (seq_lens, (0,)), (k_cache, (0,)), (v_cache, (0,))):
         for d in dims:
-            torch._dynamo.mark_dynamic(t, d)
+            torch._dynamo.maybe_mark_dynamic(t, d)
     out = fast_decode._run_compiled(_compiled_decode_attention, _decode_attention_gathered,
                                     q, k_cache, v_cache, block_tables, seq_lens)      # (B', Hq, D)
     return out[:B]
