@@ -307,8 +307,7 @@ class ModelRunner:
         (and no page faults) per layer: a fresh 10 MB tensor per layer cost as much as the copy."""
         if self.kv.quantized or self.use_triton or not batch.decode_groups:
             return None                                                  # dequantising allocates anyway
-        if (self.fused_decode_attention and fast_decode._compiler_broken is None
-                and all(g.rows.shape[1] == 1 for g in batch.decode_groups)):
+        if self._fused_ready() and all(g.rows.shape[1] == 1 for g in batch.decode_groups):
             return None                                                  # the fused kernel gathers nothing
         shape = (max(g.tables.numel() for g in batch.decode_groups), *self.kv.k.shape[2:])
         n = math.prod(shape)
@@ -316,6 +315,10 @@ class ModelRunner:
             if buf.numel() < n:
                 self._buffers[i] = torch.empty(n, dtype=buf.dtype, device=buf.device)
         return tuple(buf[:n].view(shape) for buf in self._buffers)
+
+    def _fused_ready(self) -> bool:
+        """Decode groups of single queries take the fused kernel (compiling has not failed here)."""
+        return self.fused_decode_attention and fast_decode._compiler_broken is None
 
     @property
     def graph_replays(self) -> int:
@@ -397,7 +400,7 @@ class ModelRunner:
             out[batch.decode_rows] = od
         elif batch.decode_groups:                                         # CPU
             in_order = only_decodes and len(batch.decode_groups) == 1 and not batch.grouped_runs
-            fused = self.fused_decode_attention and fast_decode._compiler_broken is None
+            fused = self._fused_ready()
             for g in batch.decode_groups:
                 if fused and g.rows.shape[1] == 1:                        # NEW: fused decode attention
                     qd = (q if in_order else q[g.rows[:, 0]]).contiguous()   # (Bg, Hq, D): one layout, one graph
