@@ -3,8 +3,9 @@ under $OUT (default results/gpu/) as soon as it exists, so that a lease running 
 finished parts. Here, first: `make gpu-carry` (tools/gpu_carry.py fills .gpu/, ignored by git).
 
 Call 1, `make gpu-check` (carry .gpu/wheels and .gpu/model.1): no model file needed
-    1. W4A16 (Triton, int4 g128) vs fp16 cuBLAS matmul at batch 1..64, Llama-2-7B's shapes, and the
-       card's copy bandwidth the int4 GB/s are compared with
+    1. W4A16 (Triton, int4 g128: the split-K GEMV to 8 rows, tensor cores above, each tuned; the first
+       run's kernel; both GEMV word layouts) vs fp16 cuBLAS at batch 1..256, Llama-2-7B's shapes, and
+       the card's copy bandwidth the int4 GB/s are compared with
     2. paged decode kernel on scattered 16-token pages vs the same kernel on contiguous memory
     3. FlashAttention (Triton) vs naive vs torch SDPA (flash backend): ms and TFLOP/s, N = 1K..16K
     4. end to end: a random-weight Llama-2-7B shape decoding at batch 1 with fp16 then int4 weights
@@ -183,7 +184,7 @@ def kernels() -> None:
     from minillm.benchmarks.paged import kernel_paging_cost
     from minillm.benchmarks.quant import end_to_end_decode, kernel_benchmark
 
-    step("w4a16-kernel", lambda: kernel_benchmark(quick=False), 60)
+    step("w4a16-kernel", lambda: kernel_benchmark(quick=False), 100)
     step("paged-kernel", lambda: {"rows": kernel_paging_cost([(1, 4096), (8, 1024), (32, 2048), (64, 4096)])}, 30)
     step("flash-attention-kernel", lambda: {"machine": common.machine_info(), "rows": measure_gpu(quick=False)}, 60)
     step("decode-7b-int4", lambda: end_to_end_decode("llama2-7b", "cuda", new_tokens=64), 45)

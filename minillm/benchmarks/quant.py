@@ -310,37 +310,65 @@ def plot(doc: dict, path=None):
     return fig
 
 
-def kernel_benchmark(quick: bool = False) -> dict:
-    """GPU only: the fused W4A16 Triton kernel against an fp16 matmul (cuBLAS) at decode-sized
-    batches, for 4096 x 4096 and 11008 x 4096 weights (Llama-7B's attention and FFN shapes).
-    The article's claim: 4-bit weights make decode 2-3x faster because decode moves weights."""
-    if not torch.cuda.is_available():
+def kernel_benchmark(quick: bool = False, device: str = "cuda", shapes=((4096, 4096), (11008, 4096), (4096, 11008)),
+                     batches=None, samples: int = 50) -> dict:
+    """GPU only: 4-bit weights (int4 g128 with zero points, RTN) through QuantLinear's fused Triton path
+    against an fp16 matmul (cuBLAS) at decode-sized batches, for Llama-2-7B's shapes 4096 x 4096, 11008 x 4096
+    and 4096 x 11008. Per row: the path the model runs (w4a16_linear: the split-K GEMV up to 8 rows, the
+    tensor-core kernel above, each in the configuration choose_config timed fastest), the first GPU run's
+    kernel (tensor cores at every batch, fixed tiles, no split-K) and, at batch 1, the GEMV on each word
+    layout. The article's claim: 4-bit weights make decode 2-3x faster because decode moves weights.
+    device="cpu" with TRITON_INTERPRET=1 and small shapes runs the same code, for the tests."""
+    if device == "cuda" and not torch.cuda.is_available():
         return {"measured": False, "why": "no CUDA GPU on this machine"}
     from kernels.w4a16 import w4a16_matmul
-    from ..quant import int4
+    from kernels.w4a16_gemv import MAX_GEMV_ROWS, w4a16_gemv
 
+    from ..quant import quantize_linear
+    from ..quant.w4a16 import GEMV_CONFIGS, choose_config, chosen_configs, gemv_operands, operands, w4a16_linear
     from .kernel_timing import copy_bandwidth, time_kernel
 
-    copy = copy_bandwidth("cuda")
+    copy = copy_bandwidth(device, mbytes=1024 if device == "cuda" else 16)
     rows = []
-    for out_f, in_f in ((4096, 4096), (11008, 4096), (4096, 11008)):
-        w = torch.randn(out_f, in_f, device="cuda", dtype=torch.float16) * 0.02
-        t = int4.quantize(w.float(), 4, 128, symmetric=False)
-        int4_bytes = sum(t[k].numel() * t[k].element_size() for k in ("packed", "scale", "zero"))
-        for batch in ((1, 16) if quick else (1, 2, 4, 8, 16, 32, 64)):
-            x = torch.randn(batch, in_f, device="cuda", dtype=torch.float16)
-            fp16 = time_kernel(lambda: x @ w.T)
-            int4_t = time_kernel(lambda: w4a16_matmul(x, t["packed"], t["scale"], t["zero"], group=128))
+    for out_f, in_f in shapes:
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(in_f, out_f, bias=False, device=device, dtype=torch.float16)
+        torch.nn.init.normal_(linear.weight, std=0.02)
+        w = linear.weight.detach()
+        layer = quantize_linear(linear, "int4", group_size=128)
+        ops = operands(layer)
+        int4_bytes = layer.weight_bytes()
+        for batch in batches or ((1, 16) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256)):
+            x = torch.randn(batch, in_f, device=device, dtype=torch.float16)
+            fp16 = time_kernel(lambda: x @ w.T, device=device, samples=samples)
+            int4_t = time_kernel(lambda: w4a16_linear(x, layer), device=device, samples=samples)   # tunes first
+            first = time_kernel(lambda: w4a16_matmul(x, ops["packed"], ops["scale"], ops["zero"], group=128),
+                                device=device, samples=samples)
             fp16_s, int4_s = fp16["median_s"], int4_t["median_s"]
-            rows.append({"shape": f"{out_f}x{in_f}", "batch": batch, "fp16_us": 1e6 * fp16_s, "w4a16_us": 1e6 * int4_s,
-                         "fp16_p10_p90_us": [1e6 * fp16["p10_s"], 1e6 * fp16["p90_s"]],
-                         "w4a16_p10_p90_us": [1e6 * int4_t["p10_s"], 1e6 * int4_t["p90_s"]],
-                         "speedup": fp16_s / int4_s, "fp16_GB_s": out_f * in_f * 2 / 1e9 / fp16_s,
-                         "w4a16_GB_s": int4_bytes / 1e9 / int4_s,
-                         "w4a16_fraction_of_copy_bandwidth": int4_bytes / int4_s / copy["bytes_per_s"],
-                         "timing": int4_t["method"]})
-    return {"measured": True, "gpu": torch.cuda.get_device_name(0), "copy_GB_s": copy["bytes_per_s"] / 1e9,
-            "timing": copy["method"], "results": rows}
+            row = {"shape": f"{out_f}x{in_f}", "batch": batch, "fp16_us": 1e6 * fp16_s, "w4a16_us": 1e6 * int4_s,
+                   "fp16_p10_p90_us": [1e6 * fp16["p10_s"], 1e6 * fp16["p90_s"]],
+                   "w4a16_p10_p90_us": [1e6 * int4_t["p10_s"], 1e6 * int4_t["p90_s"]],
+                   "w4a16_kernel": "gemv" if batch <= MAX_GEMV_ROWS else "matmul",
+                   "first_run_kernel_us": 1e6 * first["median_s"],
+                   "speedup": fp16_s / int4_s, "fp16_GB_s": out_f * in_f * 2 / 1e9 / fp16_s,
+                   "w4a16_GB_s": int4_bytes / 1e9 / int4_s,
+                   "w4a16_fraction_of_copy_bandwidth": int4_bytes / int4_s / copy["bytes_per_s"],
+                   "fp16_TFLOP_s": 2 * batch * out_f * in_f / fp16_s / 1e12,
+                   "timing": int4_t["method"]}
+            if batch == 1:                                                   # the word layouts side by side
+                for layout in (0, 1):
+                    g = gemv_operands(layer, layout)
+
+                    def run(config, g=g):
+                        return w4a16_gemv(x, g["words"], g["scale"], g["zero"], group=128, layout=g["layout"], **config)
+                    config = choose_config((f"gemv-layout-{layout}", batch, out_f, in_f, device), GEMV_CONFIGS, run)
+                    row[f"gemv_layout_{layout}_us"] = 1e6 * time_kernel(lambda: run(config), device=device,
+                                                                         samples=samples)["median_s"]
+            rows.append(row)
+        layer.__dict__.pop("_gemv_packs", None)
+    return {"measured": True, "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None, "copy_GB_s": copy["bytes_per_s"] / 1e9,
+            "timing": copy["method"], "int4_bytes": "codes + fp16 scales + uint8 zero points (QuantLinear.weight_bytes)",
+            "chosen_configs": chosen_configs(), "results": rows}
 
 
 def end_to_end_decode(shape: str = "llama2-7b", device: str = "cuda", new_tokens: int = 64, prompt_tokens: int = 16,

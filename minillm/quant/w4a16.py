@@ -12,8 +12,11 @@ W_even / W_odd are dequantised on the fly from the tile's codes and the group's 
 point, or the NF4 code table). The full-precision W never exists: on a GPU only the packed
 bytes are read from memory, 4x fewer than fp16 weights, which is what decode is bound by.
 
-A QuantLinear reaches the kernel through operands (its tensors in the matmul's terms) and
-w4a16_linear; the tile width comes from minillm/kernel_args.py, shared with the kernel.
+Decode (a few rows of x) runs kernels/w4a16_gemv.py instead: int32 words of 8 codes, optionally
+interleaved once at load time (gemv_words), scale and zero applied once per tile; its twin here is
+w4a16_gemv_torch. A QuantLinear reaches the kernels through operands (its tensors in the matmul's
+terms) and w4a16_linear, which picks the kernel and its tile configuration (choose_config); the tile
+width comes from minillm/kernel_args.py, shared with the kernels.
 """
 from __future__ import annotations
 
@@ -49,6 +52,57 @@ def w4a16_matmul_torch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     return acc.to(x.dtype)
 
 
+def gemv_words(packed: torch.Tensor, group: int, layout: int) -> torch.Tensor:
+    """Packed bytes uint8 (N, K/2) -> int32 words (N, n_tiles * tile / 8) for kernels/w4a16_gemv.py, each row
+    zero-padded to whole tiles (tile = w4a16_tile_k(group) columns). layout 0: the same bytes read four at a
+    time (little-endian: word j holds columns 8j .. 8j+7, nibble i = column 8j + (i XOR 1)); layout 1
+    (interleaved): inside each tile of 8W columns, nibble i of word j is column i * W + j."""
+    N, half_k = packed.shape
+    tile = w4a16_tile_k(group)
+    padded = -(-2 * half_k // tile) * tile                                   # K rounded up to whole tiles
+    codes = torch.nn.functional.pad(packed, (0, padded // 2 - half_k))      # (N, padded/2) uint8
+    if layout == 0:
+        return codes.contiguous().view(torch.int32)                          # (N, padded/8)
+    if layout != 1:
+        raise ValueError(f"layout must be 0 (stored bytes) or 1 (interleaved words), got {layout!r}")
+    nibbles = torch.stack((codes >> 4, codes & 0xF), dim=-1).reshape(N, padded // tile, 8, tile // 8)
+    nibbles = nibbles.transpose(2, 3).to(torch.int64)                        # (N, tiles, W, 8): word j, nibble i
+    shifts = 4 * torch.arange(8, device=packed.device, dtype=torch.int64)
+    word = (nibbles << shifts).sum(-1)                                       # (N, tiles, W) in [0, 2^32)
+    word = torch.where(word >= 2**31, word - 2**32, word)                    # the same 32 bits as int32
+    return word.to(torch.int32).reshape(N, padded // 8)
+
+
+def w4a16_gemv_torch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+                     code: torch.Tensor | None = None, *, group: int, layout: int) -> torch.Tensor:
+    """The GEMV's arithmetic in PyTorch, one tile at a time: x (M, K), words int32 from gemv_words -> y (M, N).
+    Per tile and row: s * (sum_k x_k q_k - z * sum_k x_k), or s * sum_k x_k code[q_k] for NF4."""
+    M, K = x.shape
+    tile = w4a16_tile_k(group)
+    W = tile // 8
+    j = torch.arange(W, device=x.device)
+    acc = torch.zeros(M, words.shape[0], dtype=torch.float32, device=x.device)  # (M, N)
+    for t in range(words.shape[1] // W):
+        k0 = t * tile
+        word = words[:, t * W:(t + 1) * W]                                   # (N, W) int32
+        qx = torch.zeros_like(acc)
+        xs = torch.zeros(M, 1, dtype=torch.float32, device=x.device)
+        for i in range(8):
+            q = (word >> (4 * i)) & 0xF                                      # (N, W)
+            col = k0 + (8 * j + (i ^ 1) if layout == 0 else i * W + j)       # (W,) the columns nibble i holds
+            xi = torch.where(col < K, x[:, col.clamp(max=K - 1)].float(), 0.0)   # (M, W)
+            w = code[q.long()] if code is not None else q.float()
+            qx += xi @ w.T
+            xs += xi.sum(1, keepdim=True)
+        s = scale[:, k0 // group].float()                                    # (N,)
+        if code is not None:
+            acc += qx * s
+        else:
+            z = zero[:, k0 // group].float() if zero is not None else 8.0
+            acc += s * (qx - xs * z)
+    return acc.to(x.dtype)
+
+
 def operands(layer) -> dict:
     """A QuantLinear's tensors in the fused matmul's terms (group scales (N, ng), mode, permutation)."""
     if layer.fmt == "int" and layer.params["bits"] == 4:
@@ -71,18 +125,89 @@ def supports(layer) -> bool:
     return False
 
 
+# Configurations QuantLinear's kernels choose from on CUDA, the first being the one used where nothing
+# can be timed (CPU under the interpreter, inside a CUDA graph capture).
+GEMV_LAYOUT = 1                      # words QuantLinear's GEMV reads; bench quant times both layouts
+GEMV_CONFIGS = [dict(block_n=bn, split_k=sk, num_warps=nw, num_stages=ns)
+                for bn, sk, nw, ns in ((32, 1, 4, 3), (16, 1, 2, 3), (64, 1, 4, 3), (16, 4, 2, 3),
+                                       (32, 4, 4, 3), (32, 8, 4, 2), (64, 4, 8, 3), (128, 2, 8, 3))]
+MATMUL_CONFIGS = [dict(block_m=bm, block_n=bn, split_k=sk, num_warps=nw, num_stages=ns)
+                  for bm, bn, sk, nw, ns in ((16, 64, 1, 4, 2), (16, 32, 1, 4, 3), (16, 64, 4, 4, 3),
+                                             (16, 128, 2, 4, 3), (32, 64, 2, 4, 3), (64, 64, 1, 4, 3),
+                                             (64, 128, 1, 8, 3), (16, 32, 8, 4, 3))]
+_chosen: dict[tuple, dict] = {}      # (kernel, M, N, K, group, mode, dtype, device) -> fastest config
+
+
+def choose_config(key: tuple, configs: list[dict], run) -> dict:
+    """The fastest of `configs` for `key`, timed once per key with run(config) on CUDA
+    (kernel_timing.time_kernel: CUDA events, L2 flushed before each sample) and remembered; configs[0]
+    where nothing is timed: off CUDA, or while a CUDA graph is being captured."""
+    if key in _chosen:
+        return _chosen[key]
+    device = key[-1]
+    if not device.startswith("cuda") or torch.cuda.is_current_stream_capturing():
+        return configs[0]
+    from ..benchmarks.kernel_timing import time_kernel
+
+    seconds = [time_kernel(lambda: run(c), device=device, samples=10, warmup=2)["median_s"] for c in configs]
+    _chosen[key] = configs[min(range(len(configs)), key=seconds.__getitem__)]
+    return _chosen[key]
+
+
+def chosen_configs() -> dict[str, dict]:
+    """What choose_config picked so far, for the benchmark's JSON."""
+    return {" ".join(map(str, key)): config for key, config in _chosen.items()}
+
+
+def gemv_operands(layer, layout: int = GEMV_LAYOUT) -> dict:
+    """The GEMV's words for this layer in `layout` and its scales / zeros transposed to (ng, N) memory
+    (a tile's BLOCK_N scales are then one contiguous read), made once per device and cached on the layer."""
+    ops = operands(layer)
+    key = (str(ops["packed"].device), ops["packed"].data_ptr(), layout)
+    cache = layer.__dict__.setdefault("_gemv_packs", {})
+    if key not in cache:
+        if ops["packed"].is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a CUDA graph capture reached a 4-bit layer whose GEMV words do not exist yet (a "
+                               "capture records kernels without running them): call the model once before capturing")
+        cache.clear()                                                # weights moved or replaced: rebuild
+        column_major = lambda t: None if t is None else t.t().contiguous().t()   # (N, ng), strides (1, N)
+        cache[key] = dict(words=gemv_words(ops["packed"], ops["group"], layout), scale=column_major(ops["scale"]),
+                          zero=column_major(ops["zero"]), code=ops["code"], group=ops["group"], perm=ops["perm"],
+                          layout=layout)
+    return cache[key]
+
+
 def w4a16_linear(x: torch.Tensor, layer) -> torch.Tensor:
-    """QuantLinear forward with the fused Triton kernel: x (..., in) -> (..., out)."""
+    """QuantLinear forward with the fused Triton kernels: x (..., in) -> (..., out). Up to
+    kernels.w4a16_gemv.MAX_GEMV_ROWS rows of x: the split-K GEMV; more: the tensor-core kernel. Each with
+    the configuration choose_config found fastest for this shape."""
     from kernels.w4a16 import w4a16_matmul
+    from kernels.w4a16_gemv import MAX_GEMV_ROWS, w4a16_gemv
 
     ops = operands(layer)
     x2 = x.reshape(-1, x.shape[-1])                                  # (M, K)
     if ops["perm"] is not None:                                      # act-order codes: permute x instead of W
         x2 = x2[:, ops["perm"].long()]
-    zero = ops["zero"]
-    if zero is not None and zero.stride() != ops["scale"].stride():
-        zero = zero.contiguous()
-    y = w4a16_matmul(x2.contiguous(), ops["packed"], ops["scale"].contiguous(), zero, ops["code"], group=ops["group"])
+    x2 = x2.contiguous()
+    M, K = x2.shape
+    mode = "nf4" if ops["code"] is not None else "int-zero" if ops["zero"] is not None else "int-sym"
+    key = (M, layer.out_features, K, ops["group"], mode, str(x2.dtype), str(x2.device))
+    if M <= MAX_GEMV_ROWS:
+        g = gemv_operands(layer)
+
+        def run(config):
+            return w4a16_gemv(x2, g["words"], g["scale"], g["zero"], g["code"], group=g["group"], layout=g["layout"],
+                              **config)
+        y = run(choose_config(("gemv", *key), GEMV_CONFIGS, run))
+    else:
+        zero = ops["zero"]
+        if zero is not None and zero.stride() != ops["scale"].stride():
+            zero = zero.contiguous()
+        scale = ops["scale"].contiguous()
+
+        def run(config):
+            return w4a16_matmul(x2, ops["packed"], scale, zero, ops["code"], group=ops["group"], **config)
+        y = run(choose_config(("matmul", *key), MATMUL_CONFIGS, run))
     if layer.bias is not None:
         y = y + layer.bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], -1)

@@ -1,0 +1,134 @@
+"""W4A16 for decode: a 4-bit GEMV with split-K, for a few activation rows (M <= 8).
+
+At batch 1 a matmul is a matrix-vector product: every weight is read once and used once, so the
+kernel's time is the bytes it reads over the memory bandwidth. kernels/w4a16.py pads M to 16 and
+runs tl.dot; here each program multiplies in plain fp32 on the CUDA cores and does three things the
+tensor-core kernel does not:
+
+  * split-K: grid (N / BLOCK_N, SPLIT_K, M / BLOCK_M). A 4096-row weight with BLOCK_N = 32 gives
+    128 programs, fewer than an H200's 132 SMs; splitting K gives every SM several programs, each
+    keeping its own loads in flight. Each split writes fp32 partial sums (SPLIT_K, M, N); a second
+    small kernel (kernels/w4a16.py:sum_splits) adds them in a fixed order, deterministic unlike atomics.
+  * 32-bit loads: the packed codes are read as int32 words (8 codes per word), a (BLOCK_N, WORDS) tile
+    per step, and unpacked with one shift and one mask per nibble.
+  * int -> float without a conversion instruction: OR-ing a code q (< 2^23) into the bits of the float
+    2^23 (0x4B000000) gives the float 2^23 + q exactly; subtracting 2^23 leaves q. The trick of
+    FasterTransformer and Marlin (which do it in fp16 with 0x6400 = 1024, two codes per 32-bit op);
+    a conversion instruction runs at a fraction of the FMA rate (CUDA C++ Programming Guide,
+    throughput of arithmetic instructions).
+
+The group's scale s and zero point z are applied once per tile, not per weight:
+    sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k)        (one group per tile)
+
+LAYOUT says where column c of a row sits. 0: the stored format (minillm/quant/int4.py: two codes per
+byte, first in the high nibble), so word j of a tile holds columns 8j .. 8j+7 and nibble i is column
+8j + (i XOR 1): a step reads x at a stride of 8. 1: "interleaved", rewritten once when the layer is
+prepared (minillm/quant/w4a16.py:interleave_words): within each tile of 8 * WORDS columns, nibble i of
+word j is column i * WORDS + j, so nibble i of the whole tile is a contiguous run of x. This is the
+idea of Marlin's offline reshuffle (arrange the bytes for the kernel that reads them), cut down to
+what a Triton kernel can use.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.w4a16 import split_k_plan, split_output, sum_splits
+from minillm.kernel_args import W4A16_MODES, check_kernel_device, w4a16_tile_k
+
+FLOAT_2_POW_23 = tl.constexpr(0x4B000000)   # bits of the float 2^23: its mantissa's lowest bit is worth 1
+MAX_GEMV_ROWS = 8                           # above this, tensor cores (kernels/w4a16.py) do the products
+
+
+@triton.jit
+def _w4a16_gemv_kernel(X, WORD, S, Z, CODE, OUT, M, N, K, n_tiles, tiles_per_split,
+                       stride_xm, stride_wn, stride_sn, stride_sg, stride_os, stride_om,
+                       GROUP: tl.constexpr, MODE: tl.constexpr, LAYOUT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                 # (BM,) rows of x
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                 # (BN,) rows of W
+    offs_w = tl.arange(0, WORDS)                                     # (WORDS,) word in the tile
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = pid_s * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, n_tiles)
+    for t in range(first, last):                                     # this split's tiles of 8 * WORDS columns
+        k0 = t * (8 * WORDS)
+        word = tl.load(WORD + offs_n[:, None] * stride_wn + (t * WORDS + offs_w)[None, :],
+                       mask=n_ok[:, None], other=0)                  # (BN, WORDS) int32: 8 codes each
+        qx = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)          # sum_k x_k q_k over the tile
+        xs = tl.zeros((BLOCK_M,), dtype=tl.float32)                  # sum_k x_k over the tile
+        for i in tl.static_range(8):
+            q = (word >> (4 * i)) & 0xF                              # (BN, WORDS) int32 codes
+            if LAYOUT == 0:
+                col = k0 + 8 * offs_w + (i + 1 - 2 * (i % 2))        # nibble i = column 8j + (i XOR 1)
+            else:
+                col = k0 + i * WORDS + offs_w                        # nibble i = a contiguous run
+            x = tl.load(X + offs_m[:, None] * stride_xm + col[None, :],
+                        mask=m_ok[:, None] & (col < K)[None, :], other=0.0).to(tl.float32)   # (BM, WORDS)
+            if MODE == 2:                                            # NF4: the code table's value
+                w = tl.load(CODE + q)                                # (BN, WORDS) fp32
+            else:                                                    # the code itself, as a float
+                w = (q | FLOAT_2_POW_23).to(tl.float32, bitcast=True) - 8388608.0
+            qx += tl.sum(x[:, None, :] * w[None, :, :], axis=2)      # (BM, BN)
+            xs += tl.sum(x, axis=1)
+        g = k0 // GROUP                                              # a tile never spans two groups
+        s = tl.load(S + offs_n * stride_sn + g * stride_sg, mask=n_ok, other=0.0).to(tl.float32)   # (BN,)
+        if MODE == 2:
+            acc += qx * s[None, :]
+        else:
+            if MODE == 1:
+                z = tl.load(Z + offs_n * stride_sn + g * stride_sg, mask=n_ok, other=0).to(tl.float32)
+            else:
+                z = tl.full((BLOCK_N,), 8.0, tl.float32)             # symmetric: z = 2^(4-1)
+            acc += s[None, :] * (qx - xs[:, None] * z[None, :])
+    out = OUT + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def check_gemv_config(block_n: int, layout: int) -> None:
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 1 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two, got {block_n!r}")
+    if layout not in (0, 1):
+        raise ValueError(f"layout must be 0 (stored bytes) or 1 (interleaved words), got {layout!r}")
+
+
+def w4a16_gemv(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+               code: torch.Tensor | None = None, *, group: int, layout: int = 0, block_n: int = 32,
+               split_k: int = 1, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """x (M, K) with M <= 8, words int32 (N, ceil(K / tile) * tile / 8) in `layout`, scale (N, ng) or any
+    strides (a transposed (ng, N) copy reads coalesced), zero like scale or None, code (16,) for NF4
+    -> y (M, N) in x.dtype. tile = w4a16_tile_k(group) columns."""
+    check_kernel_device(*(t for t in (x, words, scale, zero, code) if t is not None))
+    check_gemv_config(block_n, layout)
+    M, K = x.shape
+    N = words.shape[0]
+    if not 1 <= M <= MAX_GEMV_ROWS:
+        raise ValueError(f"the GEMV takes 1..{MAX_GEMV_ROWS} rows of x, got {M}; use kernels.w4a16.w4a16_matmul")
+    if words.dtype != torch.int32 or words.stride(1) != 1:
+        raise ValueError(f"words must be int32 with contiguous rows, got {words.dtype} strides {words.stride()}")
+    tile = w4a16_tile_k(group)
+    n_tiles = triton.cdiv(K, tile)
+    if words.shape[1] * 8 != n_tiles * tile or K % 8:
+        raise ValueError(f"words has {words.shape[1]} words per row; x has K = {K} columns "
+                         f"(need K % 8 == 0 and {n_tiles * tile // 8} words: whole tiles of {tile})")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    mode = W4A16_MODES["nf4" if code is not None else "int-zero" if zero is not None else "int-sym"]
+    splits, tiles_per_split = split_k_plan(n_tiles, split_k)
+    block_m = triton.next_power_of_2(M)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    out = split_output(y, splits)
+    grid = (triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))
+    _w4a16_gemv_kernel[grid](
+        x, words, scale, zero if zero is not None else scale, code if code is not None else scale, out,
+        M, N, K, n_tiles, tiles_per_split,
+        x.stride(0), words.stride(0), scale.stride(0), scale.stride(1), M * N if splits > 1 else 0, N,
+        GROUP=group, MODE=mode, LAYOUT=layout, BLOCK_M=block_m, BLOCK_N=block_n, WORDS=tile // 8,
+        num_warps=num_warps, num_stages=num_stages)
+    return sum_splits(out, y)
