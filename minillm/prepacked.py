@@ -39,6 +39,8 @@ def libraries_for(weight: torch.Tensor) -> list[str]:
     found = []
     if weight.dtype == torch.float32 and torch._C.has_mkl:
         found.append("mkl")
+    if weight.dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        return found                                   # oneDNN's fp16 GEMM needs AVX-512 FP16 or AVX-NE-CONVERT
     if weight.dtype in (torch.float32, torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available():
         found.append("onednn")
     return found

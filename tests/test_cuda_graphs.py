@@ -352,3 +352,17 @@ def test_cuda_graphs_give_the_eager_tokens_smollm2(smollm2_path):
     with_graphs, eager, runner, sizes = generate_both(make, prompts, params)
     assert with_graphs == eager
     assert runner.graph_replays == len(sizes) > 0
+
+
+@cuda_only
+def test_cuda_graphs_replay_the_int4_gemv_and_give_the_eager_tokens(monkeypatch):
+    """4-bit weights under graphs: the split-K GEMV (and its partial-sum kernel) recorded and replayed."""
+    import kernels.w4a16_gemv as gemv_module
+    from helpers import count_calls
+
+    gemv_calls = count_calls(monkeypatch, "w4a16_gemv", gemv_module)
+    prompts, params = workload(tiny_config().vocab_size)
+    make = lambda **kw: tiny_llm("cuda", max_num_seqs=4, quantization="int4", **kw)  # noqa: E731
+    with_graphs, eager, runner, sizes = generate_both(make, prompts, params)
+    assert with_graphs == eager
+    assert runner.graph_replays == len(sizes) > 0 and len(gemv_calls) > 0

@@ -61,3 +61,5 @@ def test_end_to_end_decode_runs_fp16_then_int4_on_a_small_shape():
     assert row["fp16_tok_s"] > 0 and row["int4_tok_s"] > 0
     assert row["int4_layer_weight_GB"] < 0.4 * row["fp16_layer_weight_GB"]      # int4 + scales < fp16
     assert row["int4_vs_fp16"] == row["int4_tok_s"] / row["fp16_tok_s"]
+    assert row["engine_mode"] == "eager" and row["fp16_engine_tok_s"] > 0 and row["int4_engine_tok_s"] > 0
+    assert row["fp16_engine_tokens_equal_greedy"] and row["int4_engine_tokens_equal_greedy"]

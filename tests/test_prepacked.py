@@ -146,3 +146,14 @@ def test_bf16_engine_attends_in_fp32_on_cpu(monkeypatch):
     out = model_runner.sdpa(q, k, v)                                      # (2, 6, 1, 8)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, original(q.float(), k.float(), v.float(), enable_gqa=True).bfloat16())
+
+
+def test_fp16_engine_runs_on_any_cpu_and_prepacks_only_where_onednn_has_fp16():
+    """oneDNN's fp16 GEMM needs AVX-512 FP16 or AVX-NE-CONVERT: elsewhere the fp16 weights stay plain F.linear."""
+    supported = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    assert prepacked.libraries_for(torch.randn(4, 4).half()) == (["onednn"] if supported else [])
+    llm = tiny_llm(torch.float16, max_num_seqs=2)
+    out = llm.generate([{"prompt_token_ids": p} for p in random_prompts([5, 9], 200)],
+                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
+    assert (llm.engine.runner.packed_layers[0][0] is not None) == supported

@@ -381,6 +381,8 @@ def end_to_end_decode(shape: str = "llama2-7b", device: str = "cuda", new_tokens
     from ..kv_cache import generate_greedy
     from ..model import published_model, random_model_on
     from ..quant import quantize_model
+    from . import gpu_engine
+    from .batching import run_engine
 
     model = (random_model_on(cfg, device, torch.float16) if cfg is not None
              else published_model(shape, device, torch.float16))
@@ -389,15 +391,29 @@ def end_to_end_decode(shape: str = "llama2-7b", device: str = "cuda", new_tokens
     def weight_bytes() -> int:
         return sum(t.numel() * t.element_size() for t in (*model.layers.parameters(), *model.layers.buffers()))
 
+    graphs = str(device).startswith("cuda") and gpu_engine.has_enforce_eager()
     row = {"shape": shape if cfg is None else "custom", "device": str(device), "new_tokens": new_tokens,
-           "timing": f"perf_counter around {new_tokens}-token decodes, synchronized, median of {repeats} after a warm-up"}
+           "timing": f"perf_counter around {new_tokens}-token decodes, synchronized, median of {repeats} after a warm-up",
+           "engine_mode": "CUDA graphs" if graphs else "eager",
+           "engine_timing": f"decode tok/s = 1 / time per output token of one {new_tokens}-token request through "
+                            f"the engine (LLM, max_num_seqs=1), median of {repeats} after a warm-up"}
     for weights in ("fp16", "int4"):
         if weights == "int4":
             quantize_model(model, "int4", group_size=128)
-        generate_greedy(model, [prompt], new_tokens)                         # warm-up (autotunes the kernel)
+        generate_greedy(model, [prompt], new_tokens)                         # warm-up (tunes the kernels)
         seconds = common.time_median(lambda: generate_greedy(model, [prompt], new_tokens), repeats=repeats,
                                       warmup=0, device=device)
         row[f"{weights}_tok_s"] = new_tokens / seconds
         row[f"{weights}_layer_weight_GB"] = weight_bytes() / 1e9
+        # The same model in the engine: with CUDA graphs one replay per token, so launches stop hiding the weights
+        llm = gpu_engine.make_llm(model, torch.device(device), eager=not graphs,
+                                  max_model_len=prompt_tokens + new_tokens + 1, max_num_seqs=1)
+        runs = [run_engine(llm, [prompt], [new_tokens]) for _ in range(repeats + 1)][1:]
+        row[f"{weights}_engine_tok_s"] = 1 / statistics.median(r["tpot"][0] for r in runs)
+        row[f"{weights}_engine_graph_replays"] = gpu_engine.graph_replays(llm)
+        row[f"{weights}_engine_tokens_equal_greedy"] = runs[0]["tokens"][0] == generate_greedy(model, [prompt], new_tokens)[0]
+        del llm, runs
+        gpu_engine.free(torch.device(device))
     row["int4_vs_fp16"] = row["int4_tok_s"] / row["fp16_tok_s"]
+    row["int4_vs_fp16_engine"] = row["int4_engine_tok_s"] / row["fp16_engine_tok_s"]
     return row
