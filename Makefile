@@ -26,8 +26,8 @@ test: model
 	$(PY) -m pytest tests
 
 # A lent CUDA GPU has no package index: `make gpu-carry` here fills .gpu/ (wheels, the model in halves);
-# there, call 1 `make gpu-check` (carry .gpu/wheels .gpu/model.1), then at once call 2 `make gpu-notebooks`
-# (carry .gpu/model.2). tools/gpu_check.py says what each runs.
+# there, call 1 `make gpu-check` (carry .gpu/wheels .gpu/model.1, timeout_s 430), then at once call 2
+# `make gpu-notebooks` (carry .gpu/model.2, timeout_s 340). tools/gpu_check.py says what each runs.
 gpu-carry: model
 	$(PY) tools/gpu_carry.py
 

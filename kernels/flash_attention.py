@@ -25,6 +25,7 @@ import triton.language as tl
 
 from minillm.kernel_args import (INTERPRETED, LOG2E, MAX_HEAD_DIM, check_attention_inputs, check_kernel_device,
                                  override_tiles)
+from minillm.kernel_tuning import choose_config, length_bucket
 
 
 @triton.jit
@@ -131,29 +132,34 @@ def _attn_fwd(Q, K, V, O, LSE,
     # END SOLUTION
 
 
-# (block_m, block_n, num_warps, num_stages), fastest first; the first that fits shared memory is used
-GPU_CONFIGS = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1), (16, 16, 2, 1)]
+# (block_m, block_n, num_warps, num_stages): the first that fits shared memory is the default; on CUDA
+# the first TUNED that fit are timed once per shape bucket (minillm/kernel_tuning.py), the fastest kept
+GPU_CONFIGS = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 128, 4, 3), (64, 32, 4, 2),
+               (32, 32, 4, 1), (16, 16, 2, 1)]
 SHARED_MEMORY_BUDGET = 160 * 1024          # bytes; below the 228 KiB an H100/H200 SM has, with room to spare
+TUNED = 4                                  # configurations timed per shape: each is a compile, seconds on a GPU
 
 
-def _default_config(device: torch.device, block_d: int, elem_bytes: int) -> dict:
-    """Tile sizes and launch options. The interpreter prefers few, large programs. On a GPU the
-    Q tile plus num_stages buffered K and V tiles must fit shared memory; wide heads need 8 warps."""
+def fitting_configs(device: torch.device, block_d: int, elem_bytes: int) -> list[dict]:
+    """Tile sizes and launch options to choose from, the default first. The interpreter prefers few,
+    large programs. On a GPU the Q tile plus num_stages buffered K and V tiles must fit shared memory;
+    8 warps only for wide heads."""
     if device.type != "cuda":
-        return dict(block_m=32, block_n=32, num_warps=4, num_stages=1)
-    for block_m, block_n, num_warps, num_stages in GPU_CONFIGS:
-        if num_warps == 8 and block_d < 128:
-            continue                                                     # 4 warps suffice for D <= 64
-        shared = (block_m * block_d + num_stages * 2 * block_n * block_d) * elem_bytes
-        if shared <= SHARED_MEMORY_BUDGET:
-            return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    raise ValueError(f"no tile configuration fits head dim {block_d}")
+        return [dict(block_m=32, block_n=32, num_warps=4, num_stages=1)]
+    fits = [dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+            for block_m, block_n, num_warps, num_stages in GPU_CONFIGS
+            if not (num_warps == 8 and block_d < 128)                       # 4 warps suffice for D <= 64
+            and (block_m * block_d + num_stages * 2 * block_n * block_d) * elem_bytes <= SHARED_MEMORY_BUDGET]
+    if not fits:
+        raise ValueError(f"no tile configuration fits head dim {block_d}")
+    return fits[:TUNED]
 
 
 def triton_flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                                    sm_scale: float | None = None, block_m: int | None = None,
                                    block_n: int | None = None):
-    """Launch the kernel. q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D). Returns (o like q, lse (B, Hq, Tq) fp32)."""
+    """Launch the kernel. q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D). Returns (o like q, lse (B, Hq, Tq) fp32).
+    block_m / block_n given: those tiles; else the configuration kernel_tuning chose for this shape."""
     scale = check_attention_inputs(q, k, v, causal, sm_scale)
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
@@ -161,20 +167,26 @@ def triton_flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         raise ValueError(f"head dim D must be <= {MAX_HEAD_DIM} for the Triton kernel, got {D}")
     check_kernel_device(q, k, v)
     block_d = max(16, triton.next_power_of_2(D))                            # tl.dot wants >= 16, powers of two
-    config = _default_config(q.device, block_d, q.element_size())
-    config = override_tiles(config, block_m=block_m, block_n=block_n)
+    configs = fitting_configs(q.device, block_d, q.element_size())
 
-    o = torch.empty(B, Hq, Tq, D, dtype=q.dtype, device=q.device)          # (B, Hq, Tq, D)
-    lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)     # (B, Hq, Tq)
-    grid = (triton.cdiv(Tq, config["block_m"]), B * Hq)
-    _attn_fwd[grid](
-        q, k, v, o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        Hq, Tq, Tk, scale * LOG2E,
-        GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, PAD_D=block_d != D,
-        BLOCK_M=config["block_m"], BLOCK_N=config["block_n"], CAUSAL=bool(causal),
-        UPCAST=INTERPRETED and q.dtype == torch.bfloat16,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
-    )
-    return o, lse
+    def run(config):
+        o = torch.empty(B, Hq, Tq, D, dtype=q.dtype, device=q.device)      # (B, Hq, Tq, D)
+        lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device) # (B, Hq, Tq)
+        grid = (triton.cdiv(Tq, config["block_m"]), B * Hq)
+        _attn_fwd[grid](
+            q, k, v, o, lse,
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            Hq, Tq, Tk, scale * LOG2E,
+            GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, PAD_D=block_d != D,
+            BLOCK_M=config["block_m"], BLOCK_N=config["block_n"], CAUSAL=bool(causal),
+            UPCAST=INTERPRETED and q.dtype == torch.bfloat16,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
+        )
+        return o, lse
+
+    if block_m is not None or block_n is not None:
+        return run(override_tiles(dict(configs[0]), block_m=block_m, block_n=block_n))
+    key = ("flash-forward", Hq // Hkv, D, str(q.dtype), bool(causal), length_bucket(B * Hq), length_bucket(Tq),
+           length_bucket(Tk), str(q.device))
+    return run(choose_config(key, configs, run))

@@ -21,7 +21,8 @@ LSE, natural log, is converted on load); causal with pos_offset = Tk - Tq (queri
 positions); tiles wholly above the diagonal are skipped; edges and head-dim padding masked; fp32
 accumulation and IEEE fp32 dots; bf16 tiles upcast under the interpreter (triton #11584).
 Unlike the forward, every tile here is masked (no separate unmasked loop): simpler, and this
-kernel's speed has not been measured or tuned yet.
+kernel's GPU speed has not been measured yet. Its tiles are chosen per shape by timing on CUDA
+(fitting_configs, minillm/kernel_tuning.py).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import triton.language as tl
 
 from minillm.kernel_args import (INTERPRETED, LOG2E, MAX_HEAD_DIM, check_attention_inputs, check_kernel_device,
                                  override_tiles)
+from minillm.kernel_tuning import choose_config, length_bucket
 
 
 @triton.jit
@@ -197,23 +199,30 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
              dq.to(DQ.dtype.element_ty), mask=q_ok)
 
 
-# (block_m, block_n, num_warps, num_stages), first that fits shared memory is used. Not tuned:
-# the backward's GPU speed has not been measured yet.
-GPU_CONFIGS = [(64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 2, 1)]
+# (block_m, block_n, num_warps, num_stages): the first that fits shared memory is the default; on CUDA
+# the first TUNED that fit are timed once per shape bucket (minillm/kernel_tuning.py), the fastest kept
+GPU_CONFIGS = [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 3), (32, 32, 4, 1),
+               (16, 16, 2, 1)]
 SHARED_MEMORY_BUDGET = 160 * 1024          # bytes; as the forward
+TUNED = 4                                  # as the forward
 
 
-def _default_config(device: torch.device, block_d: int, elem_bytes: int) -> dict:
-    """Tile sizes. The dK/dV program keeps K, V (input dtype) and dK, dV (fp32) tiles and buffers
-    num_stages Q and dO tiles; that is what must fit. The interpreter prefers few, large programs."""
+def fitting_configs(device: torch.device, block_d: int, elem_bytes: int) -> list[dict]:
+    """Tile sizes to choose from, the default first. The dK/dV program keeps K, V (input dtype) and dK, dV
+    (fp32) tiles and buffers num_stages Q and dO tiles; that is what must fit. Wide heads take 8 warps.
+    The interpreter prefers few, large programs."""
     if device.type != "cuda":
-        return dict(block_m=32, block_n=32, num_warps=4, num_stages=1)
+        return [dict(block_m=32, block_n=32, num_warps=4, num_stages=1)]
+    fits = []
     for block_m, block_n, num_warps, num_stages in GPU_CONFIGS:
         shared = (2 * block_n * block_d * (elem_bytes + 4) + num_stages * 2 * block_m * block_d * elem_bytes)
-        if shared <= SHARED_MEMORY_BUDGET:
-            return dict(block_m=block_m, block_n=block_n, num_warps=8 if block_d >= 128 else num_warps,
-                        num_stages=num_stages)
-    raise ValueError(f"no tile configuration fits head dim {block_d}")
+        config = dict(block_m=block_m, block_n=block_n, num_warps=8 if block_d >= 128 else num_warps,
+                      num_stages=num_stages)
+        if shared <= SHARED_MEMORY_BUDGET and config not in fits:
+            fits.append(config)
+    if not fits:
+        raise ValueError(f"no tile configuration fits head dim {block_d}")
+    return fits[:TUNED]
 
 
 def triton_flash_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -238,29 +247,34 @@ def triton_flash_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.T
         raise ValueError(f"head dim D must be <= {MAX_HEAD_DIM} for the Triton kernel, got {D}")
     check_kernel_device(q, k, v, o, lse, do)
     block_d = max(16, triton.next_power_of_2(D))                            # tl.dot wants >= 16, powers of two
-    config = _default_config(q.device, block_d, q.element_size())
-    config = override_tiles(config, block_m=block_m, block_n=block_n)
-    bm, bn = config["block_m"], config["block_n"]
+    configs = fitting_configs(q.device, block_d, q.element_size())
     lse = lse.contiguous()                                                 # indexed as (B * Hq, Tq) rows
-    launch = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
-    common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=bool(causal),
-                  UPCAST=INTERPRETED and q.dtype == torch.bfloat16,
-                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
-    delta = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)  # (B, Hq, Tq)
-    _attn_bwd_preprocess[(triton.cdiv(Tq, bm), B * Hq)](
-        o, do, delta, *o.stride(), *do.stride(), Hq, Tq,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=bm, **launch)
+    def run(config):
+        bm, bn = config["block_m"], config["block_n"]
+        launch = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
+        common = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=bool(causal),
+                      UPCAST=INTERPRETED and q.dtype == torch.bfloat16,
+                      DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        delta = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)  # (B, Hq, Tq)
+        _attn_bwd_preprocess[(triton.cdiv(Tq, bm), B * Hq)](
+            o, do, delta, *o.stride(), *do.stride(), Hq, Tq,
+            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=bm, **launch)
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)        # (B, Hq, Tq, D)
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)        # (B, Hkv, Tk, D)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)        # (B, Hkv, Tk, D)
+        _attn_bwd_dkdv[(triton.cdiv(Tk, bn), B * Hkv)](
+            q, k, v, do, lse, delta, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+            Hkv, Tq, Tk, scale, scale * LOG2E, **common, **launch)
+        _attn_bwd_dq[(triton.cdiv(Tq, bm), B * Hq)](
+            q, k, v, do, lse, delta, dq,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+            Hq, Tq, Tk, scale, scale * LOG2E, **common, **launch)
+        return dq, dk, dv
 
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)        # (B, Hq, Tq, D)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)        # (B, Hkv, Tk, D)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)        # (B, Hkv, Tk, D)
-    _attn_bwd_dkdv[(triton.cdiv(Tk, bn), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        Hkv, Tq, Tk, scale, scale * LOG2E, **common, **launch)
-    _attn_bwd_dq[(triton.cdiv(Tq, bm), B * Hq)](
-        q, k, v, do, lse, delta, dq,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        Hq, Tq, Tk, scale, scale * LOG2E, **common, **launch)
-    return dq, dk, dv
+    if block_m is not None or block_n is not None:
+        return run(override_tiles(dict(configs[0]), block_m=block_m, block_n=block_n))
+    key = ("flash-backward", Hq // Hkv, D, str(q.dtype), bool(causal), length_bucket(B * Hq), length_bucket(Tq),
+           length_bucket(Tk), str(q.device))
+    return run(choose_config(key, configs, run))

@@ -146,3 +146,30 @@ def test_triton_backward_cuda(dtype, shape, causal):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     grads = torch.autograd.grad(flash_attention(*leaves, causal), leaves, do)     # "auto": Triton on CUDA
     assert_grads_match_naive(grads, q, k, v, do, causal)
+
+
+def test_gpu_benchmark_backward_row_runs_on_a_small_shape():
+    """The GPU benchmark's backward comparison, with naive attention standing in for SDPA's flash backend:
+    the Triton gradients agree with it (seconds are meaningless under the interpreter)."""
+    from minillm.benchmarks.flash_attention import backward_row
+
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA the GPU check runs the real comparison")
+    q, k, v, _ = make_inputs(1, 2, 2, 48, 48, 16)
+    row = backward_row(q, k, v, True, naive_attention_in_dtype, samples=1)
+    assert row["sdpa_flash_backward_ms"] > 0 and row["triton_backward_ms"] > 0
+    assert row["backward_max_grad_diff"] < 1e-4 and row["backward_timing"].startswith("perf_counter")
+
+
+def test_gpu_summary_checks_every_row_against_the_goals():
+    from minillm.benchmarks.flash_attention import gpu_summary
+
+    rows = [dict(n=1024, fraction_of_sdpa=0.95, speedup_vs_naive=3.0, triton_tflops=100.0),
+            dict(n=4096, fraction_of_sdpa=1.2, speedup_vs_naive=9.0, triton_tflops=300.0,
+                 backward_fraction_of_sdpa=0.55),
+            dict(n=8192, fraction_of_sdpa=0.91, speedup_vs_naive=12.0, triton_tflops=350.0,
+                 backward_fraction_of_sdpa=0.8)]
+    s = gpu_summary(rows)
+    assert s["gpu_min_fraction_of_sdpa_flash"] == 0.91 and s["gpu_min_speedup_vs_naive_n_ge_4096"] == 9.0
+    assert s["goals_met"] == {"forward_fraction_of_sdpa": True, "backward_fraction_of_sdpa": False}
+    assert s["gpu_min_backward_fraction_of_sdpa_flash"] == 0.55

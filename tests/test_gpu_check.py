@@ -116,3 +116,23 @@ def test_start_prints_the_machine_line_that_produced_on_reads(capsys, monkeypatc
     assert notebook.FIRST_LINE.match(line), line
     with pytest.raises(ValueError, match="allowed"):
         notebook.start("tpu")
+
+
+def test_steps_share_the_calls_deadline(tmp_path, monkeypatch):
+    """Each step's box is cut to what is left of the call; with too little left a step is recorded, not run."""
+    check = load_tool("gpu_check")
+    monkeypatch.setattr(check, "OUT", tmp_path)
+    clock = FakeClock(check.time, step_s=0)
+    check.time = clock
+    check.deadline = check.Deadline(100)
+    assert check.deadline.box(60) == 60
+    clock._now += 70
+    assert check.deadline.box(60) == 30
+    check.step("fits", lambda: {"value": 1}, 60)
+    assert json.loads((tmp_path / "fits.json").read_text()) == {"seconds": None, "value": 1}
+    clock._now += 25                                                   # 5 s left: under MIN_STEP_S
+    ran = []
+    check.step("late", lambda: ran.append(1) or {}, 60)
+    assert not ran and "deadline" in json.loads((tmp_path / "late.json").read_text())["error"]
+    check.run_pytest(["tests/none.py"], "late.log", 60)
+    assert "deadline" in (tmp_path / "late.log").read_text()

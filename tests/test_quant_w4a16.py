@@ -151,29 +151,6 @@ def test_gemv_operands_are_cached_and_rebuilt_when_the_weights_change():
     assert gemv_operands(layer, 1) is not first
 
 
-def test_choose_config_times_each_candidate_once_per_shape_and_keeps_the_fastest(monkeypatch):
-    from minillm.benchmarks import kernel_timing
-
-    medians = {1: 3e-6, 2: 1e-6, 3: 2e-6}
-    timed = []
-
-    def fake_time_kernel(fn, device, samples, warmup):
-        timed.append(fn())
-        return {"median_s": medians[timed[-1]]}
-
-    monkeypatch.setattr(kernel_timing, "time_kernel", fake_time_kernel)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(twin_module, "_chosen", {})
-    configs = [{"c": 1}, {"c": 2}, {"c": 3}]
-    key = ("gemv", 1, 64, 64, 64, "int-sym", "torch.float16", "cuda:0")
-    assert twin_module.choose_config(key, configs, lambda c: c["c"]) == {"c": 2}
-    assert twin_module.choose_config(key, configs, lambda c: c["c"]) == {"c": 2} and timed == [1, 2, 3]
-    assert twin_module.choose_config(key[:-1] + ("cpu",), configs, lambda c: c["c"]) == {"c": 1}   # nothing timed
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert twin_module.choose_config(key[:-1] + ("cuda:1",), configs, lambda c: c["c"]) == {"c": 1}
-    assert timed == [1, 2, 3] and "gemv 1 64 64 64 int-sym torch.float16 cuda:0" in twin_module.chosen_configs()
-
-
 def test_triton_linear_with_bias_batch_dims_and_act_order_perm():
     torch.manual_seed(0)
     lin = torch.nn.Linear(128, 24, bias=True)

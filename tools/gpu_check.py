@@ -2,23 +2,26 @@
 under $OUT (default results/gpu/) as soon as it exists, so that a lease running out still leaves the
 finished parts. Here, first: `make gpu-carry` (tools/gpu_carry.py fills .gpu/, ignored by git).
 
-Call 1, `make gpu-check` (carry .gpu/wheels and .gpu/model.1): no model file needed
+Call 1, `make gpu-check` (carry .gpu/wheels and .gpu/model.1; run's timeout_s=430): no model file needed
     1. W4A16 (Triton, int4 g128: the split-K GEMV to 8 rows, tensor cores above, each tuned; the first
        run's kernel; both GEMV word layouts) vs fp16 cuBLAS at batch 1..256, Llama-2-7B's shapes, and
        the card's copy bandwidth the int4 GB/s are compared with
-    2. paged decode kernel on scattered 16-token pages vs the same kernel on contiguous memory
-    3. FlashAttention (Triton) vs naive vs torch SDPA (flash backend): ms and TFLOP/s, N = 1K..16K
-    4. end to end: a random-weight Llama-2-7B shape decoding at batch 1 with fp16 then int4 weights, op by
+    2. FlashAttention (Triton, tiles tuned per shape) vs naive vs torch SDPA (flash backend), bf16: ms and
+       TFLOP/s, N = 1K..16K; from 4K also the backward (Triton vs SDPA's flash backward)
+    3. end to end: a random-weight Llama-2-7B shape decoding at batch 1 with fp16 then int4 weights, op by
        op (generate_greedy) and through the engine replaying CUDA graphs
-    5. the engine on GPU-sized random models (benchmarks/gpu_engine.py): 7B batch-1 decode against the HBM
+    4. the engine on GPU-sized random models (benchmarks/gpu_engine.py): 7B batch-1 decode against the HBM
        bound, eager vs CUDA graphs; continuous batching vs transformers on a 1B; decode tok/s vs batch to 512
-    6. pytest on the kernel tests (they run on CUDA when it is present), the Triton backward included
+    5. pytest on the kernel tests (they run on CUDA when it is present), the Triton backward included
+    6. paged decode kernel on scattered 16-token pages vs the same kernel on contiguous memory
     It also installs the wheels into /tmp/site and keeps the model's first half in /tmp/minillm-gpu.
-Call 2, `make gpu-notebooks`, right after (carry .gpu/model.2; a warm machine keeps /tmp):
+Call 2, `make gpu-notebooks`, right after (carry .gpu/model.2; timeout_s=340; a warm machine keeps /tmp):
     7. the model joined from its halves (sha256 checked by minillm.loader)
     8. pytest on the engine's CUDA tests (Triton paged attention, CUDA graphs)
     9. every notebook executed in full mode, in order, while the time box lasts: $OUT/notebooks.tar
        (one file: a call returns at most 8) and $OUT/notebooks.json (seconds and status of each)
+Each step has its own time box, cut to what is left of the call's deadline (GPU_CALL_SECONDS: 390 s for
+call 1, 300 s for call 2), so the two calls and the machine's start fit one 15-minute lease.
 Back here: `python tools/gpu_check.py unpack DIR` puts DIR's notebooks into notebooks/ and its JSON
 files into results/gpu/.
 
@@ -64,9 +67,28 @@ def _raise_timeout(signum, frame):
     raise StepTimeout
 
 
+class Deadline:
+    """The whole call's seconds: each step's time box is cut to what is left, so that the call ends on time
+    however long the steps before it took (a 15-minute lease holds the machine's start and both calls)."""
+
+    def __init__(self, seconds: float):
+        self.end = time.perf_counter() + seconds
+
+    def box(self, limit_s: float) -> int:
+        return int(max(0.0, min(limit_s, self.end - time.perf_counter())))
+
+
+deadline = Deadline(float("inf"))                       # set by kernels() / notebooks()
+MIN_STEP_S = 10                                         # a step with less left is recorded as not run
+
+
 def step(name: str, fn, limit_s: int) -> None:
     """Run one measurement inside its own time box (SIGALRM), so that one slow step cannot eat the lease."""
     t0 = time.perf_counter()
+    limit_s = deadline.box(limit_s)
+    if limit_s < MIN_STEP_S:
+        save(name, {"error": "not run: the call's deadline was reached"})
+        return
     signal.signal(signal.SIGALRM, _raise_timeout)
     signal.alarm(limit_s)
     try:
@@ -81,6 +103,13 @@ def step(name: str, fn, limit_s: int) -> None:
 
 
 def run_pytest(tests: list[str], log_name: str, budget_s: int) -> None:
+    budget_s = deadline.box(budget_s)
+    if budget_s < MIN_STEP_S:
+        text = "not run: the call's deadline was reached\n"
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / log_name).write_text(text)
+        print(text, flush=True)
+        return
     try:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                               capture_output=True, text=True, timeout=budget_s, cwd=ROOT)
@@ -174,33 +203,46 @@ def unpack(folder: Path) -> None:
             print("results/gpu/" + f.name)
 
 
+def flash_attention_step() -> dict:
+    from minillm.benchmarks import common
+    from minillm.benchmarks.flash_attention import gpu_summary, measure_gpu
+    from minillm.kernel_tuning import chosen_configs
+
+    rows = measure_gpu(quick=False)
+    return {"machine": common.machine_info(), "summary": gpu_summary(rows), "chosen_configs": chosen_configs(),
+            "rows": rows}
+
+
 def kernels() -> None:
+    global deadline
+    deadline = Deadline(float(os.environ.get("GPU_CALL_SECONDS", "390")))
     import torch
 
     from minillm.benchmarks import common
     print(common.machine_info(), flush=True)
     keep_model_half()
     from minillm.benchmarks import gpu_engine
-    from minillm.benchmarks.flash_attention import measure_gpu
     from minillm.benchmarks.paged import kernel_paging_cost
     from minillm.benchmarks.quant import end_to_end_decode, kernel_benchmark
 
-    step("w4a16-kernel", lambda: kernel_benchmark(quick=False), 100)
-    step("paged-kernel", lambda: {"rows": kernel_paging_cost([(1, 4096), (8, 1024), (32, 2048), (64, 4096)])}, 30)
-    step("flash-attention-kernel", lambda: {"machine": common.machine_info(), "rows": measure_gpu(quick=False)}, 60)
+    step("w4a16-kernel", lambda: kernel_benchmark(quick=False), 100)            # most important first
+    step("flash-attention-kernel", flash_attention_step, 90)
     step("decode-7b-int4", lambda: end_to_end_decode("llama2-7b", "cuda", new_tokens=64), 60)
     step("gpu-engine", lambda: gpu_engine.run("cuda", quick=False), 120)
     run_pytest(KERNEL_TESTS, "pytest-cuda.log", int(os.environ.get("GPU_TEST_SECONDS", "130")))
+    step("paged-kernel", lambda: {"rows": kernel_paging_cost([(1, 4096), (8, 1024), (32, 2048), (64, 4096)])}, 30)
     print("torch", torch.__version__, "cuda", torch.cuda.is_available())
 
 
 def notebooks() -> None:
+    global deadline
+    deadline = Deadline(float(os.environ.get("GPU_CALL_SECONDS", "300")))
     os.environ.setdefault("MINILLM_CACHE", str(KEEP / "cache"))
     from minillm.loader import fetch_smollm2
     join_model()
     print("model:", fetch_smollm2(), flush=True)           # raises if the joined file fails its sha256
     run_pytest(ENGINE_TESTS, "pytest-engine-cuda.log", int(os.environ.get("GPU_ENGINE_TEST_SECONDS", "90")))
-    execute_notebooks(ordered_notebooks(), OUT, budget_s=float(os.environ.get("GPU_NOTEBOOK_SECONDS", "330")))
+    execute_notebooks(ordered_notebooks(), OUT, budget_s=deadline.box(float(os.environ.get("GPU_NOTEBOOK_SECONDS", "330"))))
 
 
 if __name__ == "__main__":

@@ -325,7 +325,8 @@ def kernel_benchmark(quick: bool = False, device: str = "cuda", shapes=((4096, 4
     from kernels.w4a16_gemv import MAX_GEMV_ROWS, w4a16_gemv
 
     from ..quant import quantize_linear
-    from ..quant.w4a16 import GEMV_CONFIGS, choose_config, chosen_configs, gemv_operands, operands, w4a16_linear
+    from ..kernel_tuning import choose_config, chosen_configs
+    from ..quant.w4a16 import GEMV_CONFIGS, gemv_operands, operands, w4a16_linear
     from .kernel_timing import copy_bandwidth, time_kernel
 
     copy = copy_bandwidth(device, mbytes=1024 if device == "cuda" else 16)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..kernel_args import w4a16_tile_k
+from ..kernel_tuning import choose_config
 
 
 def dequant_tile(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, code: torch.Tensor | None) -> torch.Tensor:
@@ -125,8 +126,8 @@ def supports(layer) -> bool:
     return False
 
 
-# Configurations QuantLinear's kernels choose from on CUDA, the first being the one used where nothing
-# can be timed (CPU under the interpreter, inside a CUDA graph capture).
+# Configurations QuantLinear's kernels choose from on CUDA (minillm/kernel_tuning.py), the first being the
+# one used where nothing can be timed (CPU under the interpreter, inside a CUDA graph capture).
 GEMV_LAYOUT = 1                      # words QuantLinear's GEMV reads; bench quant times both layouts
 GEMV_CONFIGS = [dict(block_n=bn, split_k=sk, num_warps=nw, num_stages=ns)
                 for bn, sk, nw, ns in ((32, 1, 4, 3), (16, 1, 2, 3), (64, 1, 4, 3), (16, 4, 2, 3),
@@ -135,30 +136,6 @@ MATMUL_CONFIGS = [dict(block_m=bm, block_n=bn, split_k=sk, num_warps=nw, num_sta
                   for bm, bn, sk, nw, ns in ((16, 64, 1, 4, 2), (16, 32, 1, 4, 3), (16, 64, 4, 4, 3),
                                              (16, 128, 2, 4, 3), (32, 64, 2, 4, 3), (64, 64, 1, 4, 3),
                                              (64, 128, 1, 8, 3), (16, 32, 8, 4, 3))]
-_chosen: dict[tuple, dict] = {}      # (kernel, M, N, K, group, mode, dtype, device) -> fastest config
-
-
-def choose_config(key: tuple, configs: list[dict], run) -> dict:
-    """The fastest of `configs` for `key`, timed once per key with run(config) on CUDA
-    (kernel_timing.time_kernel: CUDA events, L2 flushed before each sample) and remembered; configs[0]
-    where nothing is timed: off CUDA, or while a CUDA graph is being captured."""
-    if key in _chosen:
-        return _chosen[key]
-    device = key[-1]
-    if not device.startswith("cuda") or torch.cuda.is_current_stream_capturing():
-        return configs[0]
-    from ..benchmarks.kernel_timing import time_kernel
-
-    seconds = [time_kernel(lambda: run(c), device=device, samples=10, warmup=2)["median_s"] for c in configs]
-    _chosen[key] = configs[min(range(len(configs)), key=seconds.__getitem__)]
-    return _chosen[key]
-
-
-def chosen_configs() -> dict[str, dict]:
-    """What choose_config picked so far, for the benchmark's JSON."""
-    return {" ".join(map(str, key)): config for key, config in _chosen.items()}
-
-
 def gemv_operands(layer, layout: int = GEMV_LAYOUT) -> dict:
     """The GEMV's words for this layer in `layout` and its scales / zeros transposed to (ng, N) memory
     (a tile's BLOCK_N scales are then one contiguous read), made once per device and cached on the layer."""

@@ -1,0 +1,46 @@
+"""A kernel's tile configuration chosen by timing, once per shape: what triton.autotune does, for a
+whole launch (a split-K GEMV's second kernel included) and with this repository's timing harness.
+
+A Triton kernel's speed depends on its tiles (BLOCK_M, BLOCK_N, ...), warps and pipeline stages, and the
+best choice depends on the shape and the GPU: too few programs leave SMs idle, too many registers
+lower occupancy. So each launcher lists a few configurations, the first a safe default, and asks
+choose_config for one: on CUDA every configuration is timed once per key (CUDA events, L2 flushed:
+minillm/benchmarks/kernel_timing.py) and the fastest is remembered for the process. Nothing is timed
+off CUDA (the interpreter's speed says nothing about a GPU's) or while a CUDA graph is captured (a
+capture records kernels without running them): there the first configuration is used. Keys should
+bucket sizes that vary per call (sequence lengths) so that a server does not time on every request.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+_chosen: dict[tuple, dict] = {}      # key -> the configuration timed fastest in this process
+
+
+def choose_config(key: tuple, configs: list[dict], run: Callable[[dict], object]) -> dict:
+    """The fastest of `configs` for `key` (its last element: the device, as a string), timed once per
+    key by running run(config); configs[0] where nothing is timed."""
+    if not configs:
+        raise ValueError(f"no configuration to choose from for {key}")
+    if key in _chosen:
+        return _chosen[key]
+    device = key[-1]
+    if not str(device).startswith("cuda") or torch.cuda.is_current_stream_capturing():
+        return configs[0]
+    from .benchmarks.kernel_timing import time_kernel
+
+    seconds = [time_kernel(lambda: run(c), device=device, samples=10, warmup=2)["median_s"] for c in configs]
+    _chosen[key] = configs[min(range(len(configs)), key=seconds.__getitem__)]
+    return _chosen[key]
+
+
+def chosen_configs() -> dict[str, dict]:
+    """What choose_config picked so far in this process, for a benchmark's JSON."""
+    return {" ".join(map(str, key)): config for key, config in _chosen.items()}
+
+
+def length_bucket(n: int) -> int:
+    """n rounded up to a power of two: one key for every length in (n/2, n]."""
+    return 1 << max(0, (int(n) - 1).bit_length())
