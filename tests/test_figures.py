@@ -119,3 +119,16 @@ def test_radix_tree_figure_is_the_trees_state():
     assert [c.words[:3] for c in turn1.children] == [["and", "values", "kept"]]   # turn 2 extends turn 1
     finished = next(c for c in trunk.children if "paging" in c.words)
     assert not finished.held and trunk.held and turn1.held                     # chat 2 ended: cached only
+
+
+def test_kv_cache_benchmark_puts_its_plot_beside_its_json(tmp_path, monkeypatch):
+    """A run with --json elsewhere (another machine's file) must not overwrite results/kv-cache-latency.png."""
+    from minillm import loader
+    from minillm.benchmarks import kv_cache as bench
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: (random_model(tiny_config(), seed=0), None))
+    monkeypatch.setattr(bench, "batch1_vs_hf", lambda *a: {"ours_vs_hf": 1.0, "fraction_of_bound": 1.0})  # real model
+    monkeypatch.chdir(tmp_path)
+    bench.run(quick=True, json_path=str(tmp_path / "kv-cache-other.json"))
+    assert (tmp_path / "kv-cache-other-latency.png").is_file()
+    assert not (tmp_path / "results" / "kv-cache-latency.png").exists()

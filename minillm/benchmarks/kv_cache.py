@@ -20,7 +20,7 @@ import torch
 
 from .. import roofline
 from ..kv_cache import KVCache, forward_cached, generate_greedy, generate_greedy_naive, kv_cache_bytes
-from .common import document, time_median
+from .common import document, figure_path, time_median
 
 NAME = "kv-cache"
 PROMPT = "Write a detailed essay about the history of the printing press and its effect on Europe."
@@ -146,7 +146,9 @@ def batch1_vs_hf(dtype_name: str, new_tokens: int) -> dict:
     return row
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, json_path: str | None = None) -> dict:
+    """json_path: where the document will be written; the latency plot goes beside it
+    (x.json -> x-latency.png), so that a run on another machine does not overwrite this one's."""
     from ..loader import load_model
 
     model, _ = load_model("smollm2", dtype="float32", device="cpu")
@@ -165,8 +167,8 @@ def run(quick: bool) -> dict:
                         "cache_step_ms": 1e3 * step_latency(model, p, True)})
     results += latency
     os.makedirs("results", exist_ok=True)
-    plot = "results/quick/kv-cache-latency.png" if quick else "results/kv-cache-latency.png"
-    os.makedirs(os.path.dirname(plot), exist_ok=True)
+    plot = figure_path(json_path, "-latency", "kv-cache-latency.png", quick)
+    os.makedirs(os.path.dirname(plot) or ".", exist_ok=True)
     _plot(latency, plot)
     # 2. bytes: allocated vs formula
     cache = KVCache(cfg, 4, 1024)
