@@ -226,7 +226,8 @@ else:
 ## 7. The fused W4A16 kernel
 
 Dequantise inside the matmul tile loop so that only 4-bit codes cross the memory bus. On CPU the
-PyTorch twin (same tiling) shows the arithmetic; on a GPU the Triton kernel runs and is timed.
+PyTorch twin (same tiling) shows the arithmetic; on a GPU the Triton kernels run (the split-K GEMV at
+batch 1, tensor cores at 16) and are timed with CUDA events after an L2 flush.
 """),
 ("code", r"""
 from minillm.quant.w4a16 import w4a16_matmul_torch, operands
@@ -238,7 +239,9 @@ print("twin vs dequantise-then-matmul: max |diff| =", (y - x @ q.dequantize().T)
 if torch.cuda.is_available():
     from minillm.benchmarks.quant import kernel_benchmark
     from minillm.benchmarks.common import format_table
-    print(format_table(kernel_benchmark(QUICK)["results"]))
+    rows = kernel_benchmark(quick=True)["results"]                 # batch 1 and 16; the full sweep: results/gpu/
+    print(format_table(rows, ["shape", "batch", "fp16_us", "w4a16_us", "w4a16_kernel", "speedup",
+                              "w4a16_fraction_of_copy_bandwidth", "first_run_kernel_us"]))
 else:
     print("no GPU here: the kernel benchmark (fp16 matmul vs W4A16 at batch 1..16) is not measured")
 """),

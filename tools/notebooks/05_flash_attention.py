@@ -217,12 +217,15 @@ print(f"N={n_saved}: autograd keeps {naive_b/2**20:.1f} MiB for naive (P is N x 
 ## 6. On a GPU: speed
 
 TFLOP/s (4 * B * H * N^2 * D, halved when causal) of naive attention, PyTorch SDPA's flash backend
-and our Triton kernel. On a CPU this section only reports what the committed JSON holds.
+and our Triton kernel, timed with CUDA events around each call after an L2 flush
+(`minillm/benchmarks/kernel_timing.py`); from N = 4096 also the backward against SDPA's. On a CPU
+this section only reports what the committed JSON holds.
 """),
 ("code", r"""
 if device == "cuda":
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from minillm.benchmarks.common import time_median
+    from minillm.benchmarks.flash_attention import backward_row
+    from minillm.benchmarks.kernel_timing import time_kernel      # CUDA events, L2 flushed: the kernel, not the launch
 
     def sdpa(q, k, v, causal):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -230,13 +233,17 @@ if device == "cuda":
 
     for n in ([1024] if QUICK else [1024, 4096, 16384]):
         b = max(1, 16384 // n)
-        q, k, v = (torch.randn(b, 16, n, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+        q, k, v = (torch.randn(b, 16, n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         flops = 4 * b * 16 * n * n * 64 * 0.5
         line = []
         for name, fn in (("naive", lambda: naive_attention_in_dtype(q, k, v, True)), ("sdpa", lambda: sdpa(q, k, v, True)),
                          ("triton", lambda: triton_flash_attention_forward(q, k, v, True))):
-            line.append(f"{name} {flops / time_median(fn, repeats=10, warmup=3, device='cuda') / 1e12:6.1f}")
-        print(f"N={n:6} causal fp16 D=64 TFLOP/s: " + "  ".join(line))
+            line.append(f"{name} {flops / time_kernel(fn, samples=10, warmup=3)['median_s'] / 1e12:6.1f}")
+        print(f"N={n:6} causal bf16 D=64 forward TFLOP/s: " + "  ".join(line))
+        if n >= 4096:
+            r = backward_row(q, k, v, True, sdpa)
+            print(f"         backward ms: sdpa flash {r['sdpa_flash_backward_ms']:.3f}  triton {r['triton_backward_ms']:.3f}"
+                  f"  (triton at {r['backward_fraction_of_sdpa']:.2f}x of sdpa's speed)")
 else:
     doc = json.loads(saved.read_text()) if saved.exists() else {"summary": {}}
     print("no CUDA device here; committed summary:", {k: v for k, v in doc["summary"].items() if k.startswith("gpu")})
