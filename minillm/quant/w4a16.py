@@ -136,17 +136,19 @@ MATMUL_CONFIGS = [dict(block_m=bm, block_n=bn, split_k=sk, num_warps=nw, num_sta
                   for bm, bn, sk, nw, ns in ((16, 64, 1, 4, 2), (16, 32, 1, 4, 3), (16, 64, 4, 4, 3),
                                              (16, 128, 2, 4, 3), (32, 64, 2, 4, 3), (64, 64, 1, 4, 3),
                                              (64, 128, 1, 8, 3), (16, 32, 8, 4, 3))]
+
+
 def gemv_operands(layer, layout: int = GEMV_LAYOUT) -> dict:
-    """The GEMV's words for this layer in `layout` and its scales / zeros transposed to (ng, N) memory
-    (a tile's BLOCK_N scales are then one contiguous read), made once per device and cached on the layer."""
-    ops = operands(layer)
-    key = (str(ops["packed"].device), ops["packed"].data_ptr(), layout)
+    """operands(layer) for the GEMV: its words in `layout`, scales / zeros transposed to (ng, N) memory (a
+    tile's BLOCK_N scales are then one contiguous read); made once per device and weights, cached on the layer."""
+    key = (str(layer.packed.device), layer.packed.data_ptr(), layout)
     cache = layer.__dict__.setdefault("_gemv_packs", {})
     if key not in cache:
-        if ops["packed"].is_cuda and torch.cuda.is_current_stream_capturing():
+        if layer.packed.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("a CUDA graph capture reached a 4-bit layer whose GEMV words do not exist yet (a "
                                "capture records kernels without running them): call the model once before capturing")
         cache.clear()                                                # weights moved or replaced: rebuild
+        ops = operands(layer)
         column_major = lambda t: None if t is None else t.t().contiguous().t()   # (N, ng), strides (1, N)
         cache[key] = dict(words=gemv_words(ops["packed"], ops["group"], layout), scale=column_major(ops["scale"]),
                           zero=column_major(ops["zero"]), code=ops["code"], group=ops["group"], perm=ops["perm"],
@@ -161,20 +163,18 @@ def w4a16_linear(x: torch.Tensor, layer) -> torch.Tensor:
     from kernels.w4a16 import w4a16_matmul
     from kernels.w4a16_gemv import MAX_GEMV_ROWS, w4a16_gemv
 
-    ops = operands(layer)
     x2 = x.reshape(-1, x.shape[-1])                                  # (M, K)
+    M, K = x2.shape
+    ops = gemv_operands(layer) if M <= MAX_GEMV_ROWS else operands(layer)
     if ops["perm"] is not None:                                      # act-order codes: permute x instead of W
         x2 = x2[:, ops["perm"].long()]
     x2 = x2.contiguous()
-    M, K = x2.shape
     mode = "nf4" if ops["code"] is not None else "int-zero" if ops["zero"] is not None else "int-sym"
     key = (M, layer.out_features, K, ops["group"], mode, str(x2.dtype), str(x2.device))
     if M <= MAX_GEMV_ROWS:
-        g = gemv_operands(layer)
-
         def run(config):
-            return w4a16_gemv(x2, g["words"], g["scale"], g["zero"], g["code"], group=g["group"], layout=g["layout"],
-                              **config)
+            return w4a16_gemv(x2, ops["words"], ops["scale"], ops["zero"], ops["code"], group=ops["group"],
+                              layout=ops["layout"], **config)
         y = run(choose_config(("gemv", *key), GEMV_CONFIGS, run))
     else:
         zero = ops["zero"]
