@@ -3,8 +3,8 @@ minillm/quant/w4a16.py:w4a16_matmul_torch.
 
 Grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K). A program owns a (BLOCK_M, BLOCK_N) tile of y and
 walks its split's share of K in tiles of BLOCK_K columns, each inside one quantisation group (with
-SPLIT_K > 1 the splits write fp32 partial sums that kernels/w4a16_gemv.py's _sum_splits_kernel adds
-in order: more programs when N / BLOCK_N alone would leave SMs idle). Per K tile it loads
+SPLIT_K > 1 the splits write fp32 partial sums that _sum_splits_kernel below adds in order: more
+programs when N / BLOCK_N alone would leave SMs idle). Per K tile it loads
     the packed bytes (BLOCK_N, BLOCK_K/2) uint8: high nibble = even column, low = odd column,
     the group's scale (BLOCK_N,) (and zero point, or it looks codes up in the 16-entry NF4 table),
     x's even and odd columns (BLOCK_M, BLOCK_K/2) each,
