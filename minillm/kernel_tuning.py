@@ -1,14 +1,15 @@
 """A kernel's tile configuration chosen by timing, once per shape: what triton.autotune does, for a
-whole launch (a split-K GEMV's second kernel included) and with this repository's timing harness.
+whole launch (a split-K GEMV's second kernel included).
 
 A Triton kernel's speed depends on its tiles (BLOCK_M, BLOCK_N, ...), warps and pipeline stages, and the
 best choice depends on the shape and the GPU: too few programs leave SMs idle, too many registers
 lower occupancy. So each launcher lists a few configurations, the first a safe default, and asks
-choose_config for one: on CUDA every configuration is timed once per key (CUDA events, L2 flushed:
-minillm/benchmarks/kernel_timing.py) and the fastest is remembered for the process. Nothing is timed
-off CUDA (the interpreter's speed says nothing about a GPU's) or while a CUDA graph is captured (a
-capture records kernels without running them): there the first configuration is used. Keys should
-bucket sizes that vary per call (sequence lengths) so that a server does not time on every request.
+choose_config for one: on CUDA every configuration is timed once per key by triton.testing.do_bench
+(CUDA events around each call, the L2 cleared before it; median) and the fastest is remembered for the
+process. Nothing is timed off CUDA (the interpreter's speed says nothing about a GPU's) or while a CUDA
+graph is captured (a capture records kernels without running them): there the first configuration is
+used. Keys should bucket sizes that vary per call (sequence lengths) so that a server does not time on
+every request. A leaf module like kernel_args.py: kernels/ may import it (tests/test_layout.py).
 """
 from __future__ import annotations
 
@@ -26,14 +27,21 @@ def choose_config(key: tuple, configs: list[dict], run: Callable[[dict], object]
         raise ValueError(f"no configuration to choose from for {key}")
     if key in _chosen:
         return _chosen[key]
-    device = key[-1]
-    if not str(device).startswith("cuda") or torch.cuda.is_current_stream_capturing():
+    device = str(key[-1])
+    if not device.startswith("cuda") or torch.cuda.is_current_stream_capturing():
         return configs[0]
-    from .benchmarks.kernel_timing import time_kernel
-
-    seconds = [time_kernel(lambda: run(c), device=device, samples=10, warmup=2)["median_s"] for c in configs]
+    with torch.cuda.device(device):
+        seconds = [median_seconds(lambda: run(c)) for c in configs]
     _chosen[key] = configs[min(range(len(configs)), key=seconds.__getitem__)]
     return _chosen[key]
+
+
+def median_seconds(fn: Callable[[], object]) -> float:
+    """Median seconds per call of fn on the current CUDA device (triton.testing.do_bench, short: a tuning
+    measures several configurations of many shapes)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=5, rep=20, return_mode="median") / 1e3
 
 
 def chosen_configs() -> dict[str, dict]:

@@ -1,22 +1,24 @@
 """minillm/kernel_tuning.py: each configuration timed once per key on CUDA, the fastest kept; the first
 where nothing can be timed (off CUDA, during a CUDA graph capture)."""
+import contextlib
+
 import pytest
 import torch
 
 from minillm import kernel_tuning
-from minillm.benchmarks import kernel_timing
 
 
 def test_choose_config_times_each_candidate_once_per_key_and_keeps_the_fastest(monkeypatch):
     medians = {1: 3e-6, 2: 1e-6, 3: 2e-6}
     timed = []
 
-    def fake_time_kernel(fn, device, samples, warmup):
+    def fake_median_seconds(fn):
         timed.append(fn())
-        return {"median_s": medians[timed[-1]]}
+        return medians[timed[-1]]
 
-    monkeypatch.setattr(kernel_timing, "time_kernel", fake_time_kernel)
+    monkeypatch.setattr(kernel_tuning, "median_seconds", fake_median_seconds)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())   # no GPU here
     monkeypatch.setattr(kernel_tuning, "_chosen", {})
     configs = [{"c": 1}, {"c": 2}, {"c": 3}]
     run = lambda c: c["c"]                                                     # noqa: E731
