@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 _chosen: dict[tuple, dict] = {}      # key -> the configuration timed fastest in this process
+_failed: dict[tuple, list] = {}      # key -> [(configuration, error)] that could not run (e.g. out of shared memory)
 
 
 def choose_config(key: tuple, configs: list[dict], run: Callable[[dict], object]) -> dict:
@@ -30,8 +31,17 @@ def choose_config(key: tuple, configs: list[dict], run: Callable[[dict], object]
     device = str(key[-1])
     if not device.startswith("cuda") or torch.cuda.is_current_stream_capturing():
         return configs[0]
+    seconds, error = [], None
     with torch.cuda.device(device):
-        seconds = [median_seconds(lambda: run(c)) for c in configs]
+        for c in configs:
+            try:
+                seconds.append(median_seconds(lambda: run(c)))
+            except Exception as e:                     # noqa: BLE001 - a tile that does not fit is skipped
+                seconds.append(float("inf"))
+                error = e
+                _failed.setdefault(key, []).append((c, f"{type(e).__name__}: {str(e)[:200]}"))
+    if min(seconds) == float("inf"):
+        raise error
     _chosen[key] = configs[min(range(len(configs)), key=seconds.__getitem__)]
     return _chosen[key]
 
@@ -47,6 +57,11 @@ def median_seconds(fn: Callable[[], object]) -> float:
 def chosen_configs() -> dict[str, dict]:
     """What choose_config picked so far in this process, for a benchmark's JSON."""
     return {" ".join(map(str, key)): config for key, config in _chosen.items()}
+
+
+def failed_configs() -> dict[str, list]:
+    """The configurations choose_config skipped because they raised (with the error), per key."""
+    return {" ".join(map(str, key)): failures for key, failures in _failed.items()}
 
 
 def length_bucket(n: int) -> int:

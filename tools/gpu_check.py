@@ -206,11 +206,11 @@ def unpack(folder: Path) -> None:
 def flash_attention_step() -> dict:
     from minillm.benchmarks import common
     from minillm.benchmarks.flash_attention import gpu_summary, measure_gpu
-    from minillm.kernel_tuning import chosen_configs
+    from minillm.kernel_tuning import chosen_configs, failed_configs
 
     rows = measure_gpu(quick=False)
     return {"machine": common.machine_info(), "summary": gpu_summary(rows), "chosen_configs": chosen_configs(),
-            "rows": rows}
+            "failed_configs": failed_configs(), "rows": rows}
 
 
 def kernels() -> None:

@@ -325,7 +325,7 @@ def kernel_benchmark(quick: bool = False, device: str = "cuda", shapes=((4096, 4
     from kernels.w4a16_gemv import MAX_GEMV_ROWS, w4a16_gemv
 
     from ..quant import quantize_linear
-    from ..kernel_tuning import choose_config, chosen_configs
+    from ..kernel_tuning import choose_config, chosen_configs, failed_configs
     from ..quant.w4a16 import GEMV_CONFIGS, gemv_operands, operands, w4a16_linear
     from .kernel_timing import copy_bandwidth, time_kernel
 
@@ -369,7 +369,7 @@ def kernel_benchmark(quick: bool = False, device: str = "cuda", shapes=((4096, 4
         layer.__dict__.pop("_gemv_packs", None)
     return {"measured": True, "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None, "copy_GB_s": copy["bytes_per_s"] / 1e9,
             "timing": copy["method"], "int4_bytes": "codes + fp16 scales + uint8 zero points (QuantLinear.weight_bytes)",
-            "chosen_configs": chosen_configs(), "results": rows}
+            "chosen_configs": chosen_configs(), "failed_configs": failed_configs(), "results": rows}
 
 
 def end_to_end_decode(shape: str = "llama2-7b", device: str = "cuda", new_tokens: int = 64, prompt_tokens: int = 16,
