@@ -61,8 +61,8 @@ def _w4a16_gemv_kernel(X, WORD, S, Z, CODE, OUT, M, N, K, n_tiles, tiles_per_spl
         k0 = t * (8 * WORDS)
         word = tl.load(WORD + offs_n[:, None] * stride_wn + (t * WORDS + offs_w)[None, :],
                        mask=n_ok[:, None], other=0)                  # (BN, WORDS) int32: 8 codes each
-        qx = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)          # sum_k x_k q_k over the tile
-        xs = tl.zeros((BLOCK_M,), dtype=tl.float32)                  # sum_k x_k over the tile
+        xq_parts = tl.zeros((BLOCK_M, BLOCK_N, WORDS), dtype=tl.float32)   # x_k q_k, summed over the nibbles
+        x_parts = tl.zeros((BLOCK_M, WORDS), dtype=tl.float32)             # x_k, summed over the nibbles
         for i in tl.static_range(8):
             q = (word >> (4 * i)) & 0xF                              # (BN, WORDS) int32 codes
             if LAYOUT == 0:
@@ -75,9 +75,11 @@ def _w4a16_gemv_kernel(X, WORD, S, Z, CODE, OUT, M, N, K, n_tiles, tiles_per_spl
                 w = tl.load(CODE + q)                                # (BN, WORDS) fp32
             else:                                                    # the code itself, as a float
                 w = (q | FLOAT_2_POW_23).to(tl.float32, bitcast=True) - 8388608.0
-            qx += tl.sum(x[:, None, :] * w[None, :, :], axis=2)      # (BM, BN)
-            xs += tl.sum(x, axis=1)
+            xq_parts += x[:, None, :] * w[None, :, :]                # (BM, BN, WORDS): no reduction yet
+            x_parts += x
         g = k0 // GROUP                                              # a tile never spans two groups
+        qx = tl.sum(xq_parts, axis=2)                                # (BM, BN): one reduction per tile, not 8
+        xs = tl.sum(x_parts, axis=1)                                 # (BM,)
         s = tl.load(S + offs_n * stride_sn + g * stride_sg, mask=n_ok, other=0.0).to(tl.float32)   # (BN,)
         if MODE == 2:
             acc += qx * s[None, :]
