@@ -1,32 +1,37 @@
 """W4A16 for decode: a 4-bit GEMV with split-K, for a few activation rows (M <= 8).
 
 At batch 1 a matmul is a matrix-vector product: every weight is read once and used once, so the
-kernel's time is the bytes it reads over the memory bandwidth. kernels/w4a16.py pads M to 16 and
-runs tl.dot; here each program multiplies in plain fp32 on the CUDA cores and does three things the
-tensor-core kernel does not:
+kernel's time is the bytes it reads over the memory bandwidth, as long as unpacking the codes keeps
+up. kernels/w4a16.py pads M to 16 and runs tl.dot; here each program multiplies in fp32 on the CUDA
+cores and:
 
-  * split-K: grid (N / BLOCK_N, SPLIT_K, M / BLOCK_M). A 4096-row weight with BLOCK_N = 32 gives
+  * splits K: grid (N / BLOCK_N, SPLIT_K, M / BLOCK_M). A 4096-row weight with BLOCK_N = 32 gives
     128 programs, fewer than an H200's 132 SMs; splitting K gives every SM several programs, each
     keeping its own loads in flight. Each split writes fp32 partial sums (SPLIT_K, M, N); a second
     small kernel (kernels/w4a16.py:sum_splits) adds them in a fixed order, deterministic unlike atomics.
-  * 32-bit loads: the packed codes are read as int32 words (8 codes per word), a (BLOCK_N, WORDS) tile
-    per step, and unpacked with one shift and one mask per nibble.
-  * int -> float without a conversion instruction: OR-ing a code q (< 2^23) into the bits of the float
-    2^23 (0x4B000000) gives the float 2^23 + q exactly; subtracting 2^23 leaves q. The trick of
-    FasterTransformer and Marlin (which do it in fp16 with 0x6400 = 1024, two codes per 32-bit op);
-    a conversion instruction runs at a fraction of the FMA rate (CUDA C++ Programming Guide,
-    throughput of arithmetic instructions).
-
-The group's scale s and zero point z are applied once per tile, not per weight:
-    sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k)        (one group per tile)
+  * reads the codes as 32-bit words (8 codes each), a (BLOCK_N, WORDS) tile per step: 128-bit loads
+    once Triton knows the rows are 16-byte aligned.
+  * turns a code into a float without a conversion instruction: OR-ing q (< 2^23) into the bits of
+    the float 2^23 (0x4B000000) gives exactly the float 2^23 + q. Subtracting 2^23 + z, not 2^23,
+    leaves q - z: the zero point costs nothing per weight. The trick of FasterTransformer and Marlin
+    (in fp16 with 0x6400 = 1024, two codes per 32-bit op); a conversion instruction runs at a fraction
+    of the FMA rate (CUDA C++ Programming Guide, throughput of arithmetic instructions).
+  * applies the group's scale once per tile and row, after the sum (a tile never spans two groups):
+        sum_k x_k (q_k - z) s = s * sum_k x_k (q_k - z)
+    so each weight costs a shift, one logic op (mask and OR in one LOP3), one subtraction and one
+    multiply-add, and the products are summed across threads once per tile, not once per nibble.
+  * at batch 1 loads each nibble's x values once per tile as a vector that every row of the tile
+    shares (a broadcast in registers, no trip through shared memory), so a wider BLOCK_N converts each
+    x value once for more weights.
 
 LAYOUT says where column c of a row sits. 0: the stored format (minillm/quant/int4.py: two codes per
 byte, first in the high nibble), so word j of a tile holds columns 8j .. 8j+7 and nibble i is column
 8j + (i XOR 1): a step reads x at a stride of 8. 1: "interleaved", rewritten once when the layer is
-prepared (minillm/quant/w4a16.py:interleave_words): within each tile of 8 * WORDS columns, nibble i of
-word j is column i * WORDS + j, so nibble i of the whole tile is a contiguous run of x. This is the
-idea of Marlin's offline reshuffle (arrange the bytes for the kernel that reads them), cut down to
-what a Triton kernel can use.
+prepared (minillm/quant/w4a16.py:gemv_words): within each tile of 8 * WORDS columns, nibble i of word j
+is column i * WORDS + j, so nibble i of the whole tile is a contiguous run of x (vector loads). This is
+the idea of Marlin's offline reshuffle (arrange the bytes for the kernel that reads them), cut down to
+what a Triton kernel can use. tests/test_kernels_sm90.py compiles it for Hopper here and checks the
+instructions it became.
 """
 from __future__ import annotations
 
@@ -60,35 +65,39 @@ def _w4a16_gemv_kernel(X, WORD, S, Z, CODE, OUT, M, N, K, n_tiles, tiles_per_spl
     for t in range(first, last):                                     # this split's tiles of 8 * WORDS columns
         k0 = t * (8 * WORDS)
         word = tl.load(WORD + offs_n[:, None] * stride_wn + (t * WORDS + offs_w)[None, :],
-                       mask=n_ok[:, None], other=0)                  # (BN, WORDS) int32: 8 codes each
-        xq_parts = tl.zeros((BLOCK_M, BLOCK_N, WORDS), dtype=tl.float32)   # x_k q_k, summed over the nibbles
-        x_parts = tl.zeros((BLOCK_M, WORDS), dtype=tl.float32)             # x_k, summed over the nibbles
+                       mask=n_ok[:, None], other=0).to(tl.uint32, bitcast=True)   # (BN, WORDS): 8 codes each
+        g = k0 // GROUP                                              # the tile's group
+        s = tl.load(S + offs_n * stride_sn + g * stride_sg, mask=n_ok, other=0.0).to(tl.float32)   # (BN,)
+        if MODE == 1:
+            z = tl.load(Z + offs_n * stride_sn + g * stride_sg, mask=n_ok, other=0).to(tl.float32)
+        else:
+            z = tl.full((BLOCK_N,), 8.0, tl.float32)                 # symmetric: z = 2^(4-1); unused by NF4
+        if BLOCK_M == 1:
+            xw = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)        # x_k (q_k - z), summed over the nibbles
+        else:
+            xw3 = tl.zeros((BLOCK_M, BLOCK_N, WORDS), dtype=tl.float32)
+        magic_z = (z + 8388608.0)[:, None]                           # (BN, 1): 2^23 + z
         for i in tl.static_range(8):
-            q = (word >> (4 * i)) & 0xF                              # (BN, WORDS) int32 codes
+            q = (word >> (4 * i)) & 0xF                              # (BN, WORDS) codes
+            if MODE == 2:                                            # NF4: the code table's value
+                w = tl.load(CODE + q)
+            else:                                                    # exactly q - z, as a float
+                w = (q | FLOAT_2_POW_23).to(tl.float32, bitcast=True) - magic_z
             if LAYOUT == 0:
                 col = k0 + 8 * offs_w + (i + 1 - 2 * (i % 2))        # nibble i = column 8j + (i XOR 1)
             else:
                 col = k0 + i * WORDS + offs_w                        # nibble i = a contiguous run
-            x = tl.load(X + offs_m[:, None] * stride_xm + col[None, :],
-                        mask=m_ok[:, None] & (col < K)[None, :], other=0.0).to(tl.float32)   # (BM, WORDS)
-            if MODE == 2:                                            # NF4: the code table's value
-                w = tl.load(CODE + q)                                # (BN, WORDS) fp32
-            else:                                                    # the code itself, as a float
-                w = (q | FLOAT_2_POW_23).to(tl.float32, bitcast=True) - 8388608.0
-            xq_parts += x[:, None, :] * w[None, :, :]                # (BM, BN, WORDS): no reduction yet
-            x_parts += x
-        g = k0 // GROUP                                              # a tile never spans two groups
-        qx = tl.sum(xq_parts, axis=2)                                # (BM, BN): one reduction per tile, not 8
-        xs = tl.sum(x_parts, axis=1)                                 # (BM,)
-        s = tl.load(S + offs_n * stride_sn + g * stride_sg, mask=n_ok, other=0.0).to(tl.float32)   # (BN,)
-        if MODE == 2:
-            acc += qx * s[None, :]
-        else:
-            if MODE == 1:
-                z = tl.load(Z + offs_n * stride_sn + g * stride_sg, mask=n_ok, other=0).to(tl.float32)
+            if BLOCK_M == 1:                                         # one row of x, broadcast over W's rows
+                x = tl.load(X + pid_m * stride_xm + col, mask=col < K, other=0.0).to(tl.float32)   # (WORDS,)
+                xw += x[None, :] * w                                 # (BN, WORDS)
             else:
-                z = tl.full((BLOCK_N,), 8.0, tl.float32)             # symmetric: z = 2^(4-1)
-            acc += s[None, :] * (qx - xs[:, None] * z[None, :])
+                x = tl.load(X + offs_m[:, None] * stride_xm + col[None, :],
+                            mask=m_ok[:, None] & (col < K)[None, :], other=0.0).to(tl.float32)   # (BM, WORDS)
+                xw3 += x[:, None, :] * w[None, :, :]                 # (BM, BN, WORDS)
+        if BLOCK_M == 1:
+            acc += (tl.sum(xw, axis=1) * s)[None, :]                 # one cross-thread sum per tile
+        else:
+            acc += tl.sum(xw3, axis=2) * s[None, :]
     out = OUT + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 

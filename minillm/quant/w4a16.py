@@ -77,7 +77,7 @@ def gemv_words(packed: torch.Tensor, group: int, layout: int) -> torch.Tensor:
 def w4a16_gemv_torch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
                      code: torch.Tensor | None = None, *, group: int, layout: int) -> torch.Tensor:
     """The GEMV's arithmetic in PyTorch, one tile at a time: x (M, K), words int32 from gemv_words -> y (M, N).
-    Per tile and row: s * (sum_k x_k q_k - z * sum_k x_k), or s * sum_k x_k code[q_k] for NF4."""
+    Per tile and row: s * sum_k x_k (q_k - z), or s * sum_k x_k code[q_k] for NF4."""
     M, K = x.shape
     tile = w4a16_tile_k(group)
     W = tile // 8
@@ -86,21 +86,16 @@ def w4a16_gemv_torch(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, 
     for t in range(words.shape[1] // W):
         k0 = t * tile
         word = words[:, t * W:(t + 1) * W]                                   # (N, W) int32
-        qx = torch.zeros_like(acc)
-        xs = torch.zeros(M, 1, dtype=torch.float32, device=x.device)
+        g = k0 // group
+        z = (zero[:, g].float() if zero is not None else torch.full_like(scale[:, g], 8.0, dtype=torch.float32))
+        xw = torch.zeros_like(acc)                                           # sum_k x_k (q_k - z) over the tile
         for i in range(8):
             q = (word >> (4 * i)) & 0xF                                      # (N, W)
             col = k0 + (8 * j + (i ^ 1) if layout == 0 else i * W + j)       # (W,) the columns nibble i holds
             xi = torch.where(col < K, x[:, col.clamp(max=K - 1)].float(), 0.0)   # (M, W)
-            w = code[q.long()] if code is not None else q.float()
-            qx += xi @ w.T
-            xs += xi.sum(1, keepdim=True)
-        s = scale[:, k0 // group].float()                                    # (N,)
-        if code is not None:
-            acc += qx * s
-        else:
-            z = zero[:, k0 // group].float() if zero is not None else 8.0
-            acc += s * (qx - xs * z)
+            w = code[q.long()] if code is not None else q.float() - z[:, None]
+            xw += xi @ w.T
+        acc += xw * scale[:, g].float()
     return acc.to(x.dtype)
 
 
@@ -129,9 +124,11 @@ def supports(layer) -> bool:
 # Configurations QuantLinear's kernels choose from on CUDA (minillm/kernel_tuning.py), the first being the
 # one used where nothing can be timed (CPU under the interpreter, inside a CUDA graph capture).
 GEMV_LAYOUT = 1                      # words QuantLinear's GEMV reads; bench quant times both layouts
+# GEMV tiles: more rows per thread (BLOCK_N / 32 / num_warps) share each converted x value, fewer
+# instructions per weight (results/w4a16-sm90.json); split-K keeps enough programs for every SM
 GEMV_CONFIGS = [dict(block_n=bn, split_k=sk, num_warps=nw, num_stages=ns)
-                for bn, sk, nw, ns in ((32, 1, 4, 3), (16, 1, 2, 3), (64, 1, 4, 3), (16, 4, 2, 3),
-                                       (32, 4, 4, 3), (32, 8, 4, 2), (64, 4, 8, 3), (128, 2, 8, 3))]
+                for bn, sk, nw, ns in ((128, 4, 4, 3), (64, 4, 2, 3), (64, 8, 2, 3), (128, 8, 4, 3),
+                                       (256, 4, 8, 3), (128, 2, 4, 3), (32, 8, 2, 3), (64, 1, 2, 3))]
 MATMUL_CONFIGS = [dict(block_m=bm, block_n=bn, split_k=sk, num_warps=nw, num_stages=ns)
                   for bm, bn, sk, nw, ns in ((16, 64, 1, 4, 2), (16, 32, 1, 4, 3), (16, 64, 4, 4, 3),
                                              (16, 128, 2, 4, 3), (32, 64, 2, 4, 3), (64, 64, 1, 4, 3),
