@@ -46,3 +46,15 @@ def test_the_committed_counts_are_what_this_triton_compiles():
     best = min((r for r in doc["results"] if r["layout"] == 1), key=lambda r: r["instructions_per_weight"])
     again = compiled(f"sm90.gemv_loop(1, {best['block_n']}, {best['num_warps']})")
     assert again["loop_instructions"] == best["loop_instructions"]
+
+
+def test_every_kernel_compiles_for_sm90_in_every_configuration_its_launcher_may_pick():
+    """What the interpreter cannot show: each kernel lowers to Hopper machine code, in each tile configuration
+    the tuners time, within the shared memory one block may use (a tile that did not fit would only fail on
+    the GPU, and cost a run)."""
+    rows = compiled("sm90.compile_all()")
+    kernels = {r["kernel"] for r in rows}
+    assert {"flash_attention._attn_fwd", "flash_attention_backward._attn_bwd_dkdv", "flash_attention_backward._attn_bwd_dq",
+            "paged_attention._paged_decode", "w4a16._w4a16_kernel", "w4a16_gemv._w4a16_gemv_kernel"} <= kernels
+    too_big = [(r["kernel"], r["config"], r["shared_bytes"]) for r in rows if not r["fits"]]
+    assert not too_big

@@ -38,9 +38,10 @@ def available() -> bool:
 
 
 def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict[str, object], ints: dict[str, int] | None = None,
-                     num_warps: int = 4, num_stages: int = 3):
+                     num_warps: int = 4, num_stages: int = 3, floats: tuple[str, ...] = ()):
     """fn: a @triton.jit kernel (imported without TRITON_INTERPRET); pointers: name -> Triton type ("*fp16");
-    constexprs: name -> value; ints: name -> a representative value (others DEFAULT_INT)."""
+    constexprs: name -> value; floats: fp32 scalar arguments; ints: name -> a representative value of an
+    integer argument (others DEFAULT_INT)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -51,6 +52,8 @@ def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict[str, object]
         if name in pointers:
             signature[name] = pointers[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in floats:
+            signature[name] = "fp32"
         elif name in constexprs or ints.get(name, DEFAULT_INT) == 1:
             signature[name] = "constexpr"
             constants[(i,)] = constexprs.get(name, 1)
@@ -113,6 +116,62 @@ def gemv_loop(layout: int, block_n: int = 128, num_warps: int = 4, num_stages: i
             "shared_bytes": kernel.metadata.shared}
 
 
+def unit_strides(fn) -> dict[str, int]:
+    """The innermost strides (names ending in "d", "k" of x, "n" of y...) of contiguous tensors are 1."""
+    return {name: 1 for name in fn.arg_names if name.startswith("stride_") and name[-1] == "d"}
+
+
+def compile_all(dtype: str = "bf16") -> list[dict]:
+    """Every GPU kernel of the repository compiled for sm_90 in the configurations its launcher may pick
+    (the tuners' lists, cut to what fits shared memory by the launchers' own estimate), with the shared
+    memory each needs against what one block may use on Hopper."""
+    import torch
+
+    from kernels import flash_attention as fa
+    from kernels import flash_attention_backward as fab
+    from kernels import paged_attention as pa
+    from kernels import w4a16 as mma
+    from kernels import w4a16_gemv as gemv
+    from minillm.quant.w4a16 import GEMV_CONFIGS, MATMUL_CONFIGS
+
+    rows, cuda, t = [], torch.device("cuda"), f"*{dtype}"
+
+    def add(name, fn, pointers, constexprs, config, **kw):
+        kernel = compile_for_sm90(fn, pointers, constexprs, num_warps=config.get("num_warps", 4),
+                                  num_stages=config.get("num_stages", 3), **kw)
+        rows.append({"kernel": name, "config": {**constexprs, **config}, "shared_bytes": kernel.metadata.shared,
+                     "fits": kernel.metadata.shared <= H100_MAX_SHARED})
+
+    for d in (64, 128):
+        for c in fa.fitting_configs(cuda, d, 2):
+            add("flash_attention._attn_fwd", fa._attn_fwd, {**dict.fromkeys("QKVO", t), "LSE": "*fp32"},
+                dict(GROUP=4, HEAD_DIM=d, BLOCK_D=d, PAD_D=False, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
+                     CAUSAL=True, UPCAST=False, DOT_PRECISION="tf32"), c, ints=unit_strides(fa._attn_fwd),
+                floats=("qk_scale",))
+        for c in fab.fitting_configs(cuda, d, 2):
+            for name, fn in (("_attn_bwd_dkdv", fab._attn_bwd_dkdv), ("_attn_bwd_dq", fab._attn_bwd_dq)):
+                pointers = {n: t for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ") if n in fn.arg_names}
+                add(f"flash_attention_backward.{name}", fn, {**pointers, "LSE": "*fp32", "DELTA": "*fp32"},
+                    dict(GROUP=4, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], CAUSAL=True,
+                         UPCAST=False, DOT_PRECISION="tf32"), c, ints=unit_strides(fn), floats=("sm_scale", "qk_scale"))
+        add("paged_attention._paged_decode", pa._paged_decode,
+            {**dict.fromkeys(("Q", "K_cache", "V_cache", "O"), t), "Block_tables": "*i32", "Seq_lens": "*i32",
+             "O_part": "*fp32", "Lse_part": "*fp32"},
+            dict(GROUP=4, BLOCK_G=16, HEAD_DIM=d, BLOCK_D=d, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=1, UPCAST=False,
+                 DOT_PRECISION="tf32"), {"num_warps": 4, "num_stages": 3}, ints=unit_strides(pa._paged_decode),
+            floats=("qk_scale",))
+    w4 = {"X": "*fp16", "S": "*fp16", "Z": "*u8", "CODE": "*fp32"}
+    for c in MATMUL_CONFIGS:
+        add("w4a16._w4a16_kernel", mma._w4a16_kernel, {**w4, "P": "*u8", "Y": "*fp16"},
+            dict(GROUP=128, MODE=1, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_K=128, UPCAST=False,
+                 DOT_PRECISION="tf32"), c, ints=dict(stride_xk=1, stride_pk=1, stride_yn=1))
+    for c in GEMV_CONFIGS:
+        for block_m in (1, 8):
+            add("w4a16_gemv._w4a16_gemv_kernel", gemv._w4a16_gemv_kernel, {**w4, "WORD": "*i32", "OUT": "*fp32"},
+                dict(GROUP=128, MODE=1, LAYOUT=1, BLOCK_M=block_m, BLOCK_N=c["block_n"], WORDS=16), c)
+    return rows
+
+
 def run() -> dict:
     """The GEMV's main loop in each word layout and the tile shapes QuantLinear tunes over
     (minillm/quant/w4a16.py:GEMV_CONFIGS), compiled for sm_90 here."""
@@ -124,10 +183,13 @@ def run() -> dict:
     rows = [gemv_loop(layout, block_n, num_warps, num_stages) for layout in (0, 1)
             for block_n, num_warps, num_stages in shapes]
     best = {layout: min(r["instructions_per_weight"] for r in rows if r["layout"] == layout) for layout in (0, 1)}
+    compiled = compile_all()
     return {"name": "w4a16-sm90", "target": "sm_90 (compiled here, not run)", "triton": triton.__version__,
             "kernel": "kernels/w4a16_gemv.py, batch 1, fp16 x, int4 g128 with zero points, 4096 x 4096",
-            "results": rows,
-            "summary": {"fewest_instructions_per_weight": {f"layout_{k}": v for k, v in best.items()}}}
+            "results": rows, "compiled": compiled,
+            "summary": {"fewest_instructions_per_weight": {f"layout_{k}": v for k, v in best.items()},
+                        "kernels_compiled": len(compiled), "all_fit_shared_memory": all(r["fits"] for r in compiled),
+                        "most_shared_bytes": max(r["shared_bytes"] for r in compiled)}}
 
 
 if __name__ == "__main__":              # python -m minillm.benchmarks.sm90 results/w4a16-sm90.json
