@@ -220,4 +220,5 @@ def test_kernel_benchmark_runs_every_path_on_a_small_shape():
     assert [r["w4a16_kernel"] for r in out["results"]] == ["gemv", "gemv", "matmul"]
     assert batch_1["gemv_layout_0_us"] > 0 and batch_1["gemv_layout_1_us"] > 0 and "gemv_layout_0_us" not in batch_2
     assert batch_9["first_run_kernel_us"] > 0
+    assert all(r["correct"] for r in out["results"]) and batch_1["max_abs_err_vs_dequantised_fp32"] < 1e-2
     assert out["gpu"] is None and out["copy_GB_s"] > 0 and out["results"][0]["timing"].startswith("perf_counter")

@@ -317,7 +317,8 @@ def kernel_benchmark(quick: bool = False, device: str = "cuda", shapes=((4096, 4
     and 4096 x 11008. Per row: the path the model runs (w4a16_linear: the split-K GEMV up to 8 rows, the
     tensor-core kernel above, each in the configuration choose_config timed fastest), the first GPU run's
     kernel (tensor cores at every batch, fixed tiles, no split-K) and, at batch 1, the GEMV on each word
-    layout. The article's claim: 4-bit weights make decode 2-3x faster because decode moves weights.
+    layout. Every row also checks the path's output against dequantise-then-matmul in fp32 with the tests'
+    tolerance ("correct"). The article's claim: 4-bit weights make decode 2-3x faster because decode moves weights.
     device="cpu" with TRITON_INTERPRET=1 and small shapes runs the same code, for the tests."""
     if device == "cuda" and not torch.cuda.is_available():
         return {"measured": False, "why": "no CUDA GPU on this machine"}
@@ -339,10 +340,14 @@ def kernel_benchmark(quick: bool = False, device: str = "cuda", shapes=((4096, 4
         layer = quantize_linear(linear, "int4", group_size=128)
         ops = operands(layer)
         int4_bytes = layer.weight_bytes()
+        dequantized = layer.dequantize().to(device)                          # (out, in) fp32: the reference
         for batch in batches or ((1, 16) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256)):
             x = torch.randn(batch, in_f, device=device, dtype=torch.float16)
+            ref = x.float() @ dequantized.T                                  # (batch, out) fp32
+            naive_err = ((x @ dequantized.half().T).float() - ref).abs().max().item()
+            kernel_err = (w4a16_linear(x, layer).float() - ref).abs().max().item()   # tunes on this first call
             fp16 = time_kernel(lambda: x @ w.T, device=device, samples=samples)
-            int4_t = time_kernel(lambda: w4a16_linear(x, layer), device=device, samples=samples)   # tunes first
+            int4_t = time_kernel(lambda: w4a16_linear(x, layer), device=device, samples=samples)
             first = time_kernel(lambda: w4a16_matmul(x, ops["packed"], ops["scale"], ops["zero"], group=128),
                                 device=device, samples=samples)
             fp16_s, int4_s = fp16["median_s"], int4_t["median_s"]
@@ -351,6 +356,9 @@ def kernel_benchmark(quick: bool = False, device: str = "cuda", shapes=((4096, 4
                    "w4a16_p10_p90_us": [1e6 * int4_t["p10_s"], 1e6 * int4_t["p90_s"]],
                    "w4a16_kernel": "gemv" if batch <= MAX_GEMV_ROWS else "matmul",
                    "first_run_kernel_us": 1e6 * first["median_s"],
+                   "max_abs_err_vs_dequantised_fp32": kernel_err,
+                   # the tests' rule: within twice fp16 cuBLAS's own error plus one rounding of the output
+                   "correct": kernel_err <= 2 * naive_err + torch.finfo(torch.float16).eps * ref.abs().max().item(),
                    "speedup": fp16_s / int4_s, "fp16_GB_s": out_f * in_f * 2 / 1e9 / fp16_s,
                    "w4a16_GB_s": int4_bytes / 1e9 / int4_s,
                    "w4a16_fraction_of_copy_bandwidth": int4_bytes / int4_s / copy["bytes_per_s"],
