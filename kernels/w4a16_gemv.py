@@ -128,6 +128,11 @@ def w4a16_gemv(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, zero: 
     if words.shape[1] * 8 != n_tiles * tile or K % 8:
         raise ValueError(f"words has {words.shape[1]} words per row; x has K = {K} columns "
                          f"(need K % 8 == 0 and {n_tiles * tile // 8} words: whole tiles of {tile})")
+    if scale.shape != (N, triton.cdiv(K, group)):
+        raise ValueError(f"scale must be (N, ceil(K / group)) = {(N, triton.cdiv(K, group))}, got {tuple(scale.shape)}")
+    if zero is not None and (zero.shape != scale.shape or zero.stride() != scale.stride()):
+        raise ValueError(f"zero must have scale's shape and strides {tuple(scale.shape)} {scale.stride()}, "
+                         f"got {tuple(zero.shape)} {zero.stride()}")          # the kernel indexes both alike
     if x.stride(1) != 1:
         x = x.contiguous()
     mode = W4A16_MODES["nf4" if code is not None else "int-zero" if zero is not None else "int-sym"]

@@ -190,6 +190,12 @@ def test_unsupported_layers_and_bad_inputs():
         w4a16_gemv(x, words, scale, group=64, layout=2)
     with pytest.raises(ValueError, match="block_n"):
         w4a16_gemv(x, words, scale, group=64, block_n=12)
+    with pytest.raises(ValueError, match="scale must be"):
+        w4a16_gemv(x, words, scale[:, :1], group=64)
+    asym = operands(_layer("int4", {"group_size": 64}, 128))                 # zero (N, ng) row-major
+    with pytest.raises(ValueError, match="zero must have scale's shape and strides"):
+        w4a16_gemv(x, gemv_words(asym["packed"].to(device), 64, 1), asym["scale"].t().contiguous().t().to(device),
+                   asym["zero"].to(device), group=64, layout=1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="QuantLinear uses the fused kernel only on CUDA")
