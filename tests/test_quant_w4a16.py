@@ -142,6 +142,28 @@ def test_linear_sends_decode_rows_to_the_gemv_and_more_rows_to_the_matmul(monkey
         assert (len(gemv_calls), len(mma_calls)) == expected[rows]
 
 
+def test_up_to_8_rows_the_tuner_times_the_gemv_against_the_tensor_core_kernel(monkeypatch):
+    """Decode-sized calls offer both kernels to choose_config (GEMV first: the untimed default), larger
+    calls the tensor-core kernel's configurations only; each candidate's run gives the right product."""
+    import minillm.quant.w4a16 as w4
+
+    offered = {}
+
+    def fake_choose(key, configs, run):
+        offered[key[1]] = {c["kernel"] for c in configs}
+        for c in (configs[0], configs[-1]):                                  # one of each kernel, when offered
+            assert torch.allclose(run(c), x2 @ layer.dequantize().T, atol=1e-4, rtol=1e-4)
+        return configs[-1]
+
+    monkeypatch.setattr(w4, "choose_config", fake_choose)
+    layer = _layer("int4", {"group_size": 64}, 128).to(DEVICE)
+    for rows in (1, 8, 9):
+        x2 = torch.randn(rows, 128, device=DEVICE)
+        w4a16_linear(x2, layer)
+        assert layer._w4a16_config["kernel"] == "matmul"                    # the one fake_choose returned
+    assert offered == {1: {"gemv", "matmul"}, 8: {"gemv", "matmul"}, 9: {"matmul"}}
+
+
 def test_gemv_operands_are_cached_and_rebuilt_when_the_weights_change():
     layer = _layer("int4", {"group_size": 64}, 128)
     first = gemv_operands(layer, 1)

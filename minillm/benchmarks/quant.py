@@ -314,8 +314,9 @@ def kernel_benchmark(quick: bool = False, device: str = "cuda", shapes=((4096, 4
                      batches=None, samples: int = 50) -> dict:
     """GPU only: 4-bit weights (int4 g128 with zero points, RTN) through QuantLinear's fused Triton path
     against an fp16 matmul (cuBLAS) at decode-sized batches, for Llama-2-7B's shapes 4096 x 4096, 11008 x 4096
-    and 4096 x 11008. Per row: the path the model runs (w4a16_linear: the split-K GEMV up to 8 rows, the
-    tensor-core kernel above, each in the configuration choose_config timed fastest), the first GPU run's
+    and 4096 x 11008. Per row: the path the model runs (w4a16_linear: up to 8 rows the tuner times the
+    split-K GEMV against the tensor-core kernel, above it the tensor-core kernel; `w4a16_kernel` says which
+    ran), the first GPU run's
     kernel (tensor cores at every batch, fixed tiles, no split-K) and, at batch 1, the GEMV on each word
     layout. Every row also checks the path's output against dequantise-then-matmul in fp32 with the tests'
     tolerance ("correct"). The article's claim: 4-bit weights make decode 2-3x faster because decode moves weights.
@@ -323,7 +324,7 @@ def kernel_benchmark(quick: bool = False, device: str = "cuda", shapes=((4096, 4
     if device == "cuda" and not torch.cuda.is_available():
         return {"measured": False, "why": "no CUDA GPU on this machine"}
     from kernels.w4a16 import w4a16_matmul
-    from kernels.w4a16_gemv import MAX_GEMV_ROWS, w4a16_gemv
+    from kernels.w4a16_gemv import w4a16_gemv
 
     from ..quant import quantize_linear
     from ..kernel_tuning import choose_config, chosen_configs, failed_configs
@@ -354,7 +355,7 @@ def kernel_benchmark(quick: bool = False, device: str = "cuda", shapes=((4096, 4
             row = {"shape": f"{out_f}x{in_f}", "batch": batch, "fp16_us": 1e6 * fp16_s, "w4a16_us": 1e6 * int4_s,
                    "fp16_p10_p90_us": [1e6 * fp16["p10_s"], 1e6 * fp16["p90_s"]],
                    "w4a16_p10_p90_us": [1e6 * int4_t["p10_s"], 1e6 * int4_t["p90_s"]],
-                   "w4a16_kernel": "gemv" if batch <= MAX_GEMV_ROWS else "matmul",
+                   "w4a16_kernel": layer._w4a16_config["kernel"],                 # what the tuner chose
                    "first_run_kernel_us": 1e6 * first["median_s"],
                    "max_abs_err_vs_dequantised_fp32": kernel_err,
                    # the tests' rule: within twice fp16 cuBLAS's own error plus one rounding of the output
@@ -369,7 +370,8 @@ def kernel_benchmark(quick: bool = False, device: str = "cuda", shapes=((4096, 4
                     g = gemv_operands(layer, layout)
 
                     def run(config, g=g):
-                        return w4a16_gemv(x, g["words"], g["scale"], g["zero"], group=128, layout=g["layout"], **config)
+                        return w4a16_gemv(x, g["words"], g["scale"], g["zero"], group=128, layout=g["layout"],
+                                          **{k: v for k, v in config.items() if k != "kernel"})
                     config = choose_config((f"gemv-layout-{layout}", batch, out_f, in_f, device), GEMV_CONFIGS, run)
                     row[f"gemv_layout_{layout}_us"] = 1e6 * time_kernel(lambda: run(config), device=device,
                                                                          samples=samples)["median_s"]

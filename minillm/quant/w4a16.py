@@ -126,13 +126,15 @@ def supports(layer) -> bool:
 GEMV_LAYOUT = 1                      # words QuantLinear's GEMV reads; bench quant times both layouts
 # GEMV tiles: more rows per thread (BLOCK_N / 32 / num_warps) share each converted x value, fewer
 # instructions per weight (results/w4a16-sm90.json); split-K keeps enough programs for every SM
-GEMV_CONFIGS = [dict(block_n=bn, split_k=sk, num_warps=nw, num_stages=ns)
+GEMV_CONFIGS = [dict(kernel="gemv", block_n=bn, split_k=sk, num_warps=nw, num_stages=ns)
                 for bn, sk, nw, ns in ((128, 4, 4, 3), (64, 4, 2, 3), (64, 8, 2, 3), (128, 8, 4, 3),
                                        (256, 4, 8, 3), (128, 2, 4, 3), (32, 8, 2, 3), (64, 1, 2, 3))]
-MATMUL_CONFIGS = [dict(block_m=bm, block_n=bn, split_k=sk, num_warps=nw, num_stages=ns)
+MATMUL_CONFIGS = [dict(kernel="matmul", block_m=bm, block_n=bn, split_k=sk, num_warps=nw, num_stages=ns)
                   for bm, bn, sk, nw, ns in ((16, 64, 1, 4, 2), (16, 32, 1, 4, 3), (16, 64, 4, 4, 3),
                                              (16, 128, 2, 4, 3), (32, 64, 2, 4, 3), (64, 64, 1, 4, 3),
                                              (64, 128, 1, 8, 3), (16, 32, 8, 4, 3))]
+# up to MAX_GEMV_ROWS rows both kernels compete: the GEMV first (the untimed default), then tensor cores
+DECODE_CONFIGS = GEMV_CONFIGS + [c for c in MATMUL_CONFIGS if c["block_m"] == 16]
 
 
 def gemv_operands(layer, layout: int = GEMV_LAYOUT) -> dict:
@@ -153,35 +155,54 @@ def gemv_operands(layer, layout: int = GEMV_LAYOUT) -> dict:
     return cache[key]
 
 
+def _matmul_runner(x2: torch.Tensor, ops: dict):
+    """run(config) of the tensor-core kernel on operands(layer) (scales and zeros in their stored layout)."""
+    from kernels.w4a16 import w4a16_matmul
+
+    zero = ops["zero"]
+    if zero is not None and zero.stride() != ops["scale"].stride():
+        zero = zero.contiguous()
+    scale = ops["scale"].contiguous()
+    return lambda config: w4a16_matmul(x2, ops["packed"], scale, zero, ops["code"], group=ops["group"],
+                                       **_kernel_args(config))
+
+
+def _kernel_args(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k != "kernel"}
+
+
 def w4a16_linear(x: torch.Tensor, layer) -> torch.Tensor:
     """QuantLinear forward with the fused Triton kernels: x (..., in) -> (..., out). Up to
-    kernels.w4a16_gemv.MAX_GEMV_ROWS rows of x: the split-K GEMV; more: the tensor-core kernel. Each with
-    the configuration choose_config found fastest for this shape."""
-    from kernels.w4a16 import w4a16_matmul
+    kernels.w4a16_gemv.MAX_GEMV_ROWS rows of x, choose_config times the split-K GEMV's configurations and
+    the tensor-core kernel's (BLOCK_M = 16) against each other; above, the tensor-core kernel's. The
+    configuration used is left in layer._w4a16_config (its "kernel": "gemv" or "matmul")."""
     from kernels.w4a16_gemv import MAX_GEMV_ROWS, w4a16_gemv
 
     x2 = x.reshape(-1, x.shape[-1])                                  # (M, K)
     M, K = x2.shape
-    ops = gemv_operands(layer) if M <= MAX_GEMV_ROWS else operands(layer)
+    decode = M <= MAX_GEMV_ROWS
+    ops = gemv_operands(layer) if decode else operands(layer)
     if ops["perm"] is not None:                                      # act-order codes: permute x instead of W
         x2 = x2[:, ops["perm"].long()]
     x2 = x2.contiguous()
     mode = "nf4" if ops["code"] is not None else "int-zero" if ops["zero"] is not None else "int-sym"
     key = (M, layer.out_features, K, ops["group"], mode, str(x2.dtype), str(x2.device))
-    if M <= MAX_GEMV_ROWS:
-        def run(config):
-            return w4a16_gemv(x2, ops["words"], ops["scale"], ops["zero"], ops["code"], group=ops["group"],
-                              layout=ops["layout"], **config)
-        y = run(choose_config(("gemv", *key), GEMV_CONFIGS, run))
-    else:
-        zero = ops["zero"]
-        if zero is not None and zero.stride() != ops["scale"].stride():
-            zero = zero.contiguous()
-        scale = ops["scale"].contiguous()
+    if decode:
+        matmul_runs = []                                             # built on first use: NF4's scales cost
 
         def run(config):
-            return w4a16_matmul(x2, ops["packed"], scale, zero, ops["code"], group=ops["group"], **config)
-        y = run(choose_config(("matmul", *key), MATMUL_CONFIGS, run))
+            if config["kernel"] == "matmul":
+                if not matmul_runs:
+                    matmul_runs.append(_matmul_runner(x2, operands(layer)))
+                return matmul_runs[0](config)
+            return w4a16_gemv(x2, ops["words"], ops["scale"], ops["zero"], ops["code"], group=ops["group"],
+                              layout=ops["layout"], **_kernel_args(config))
+        config = choose_config(("decode", *key), DECODE_CONFIGS, run)
+    else:
+        run = _matmul_runner(x2, ops)
+        config = choose_config(("matmul", *key), MATMUL_CONFIGS, run)
+    y = run(config)
+    layer.__dict__["_w4a16_config"] = config
     if layer.bias is not None:
         y = y + layer.bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], -1)
