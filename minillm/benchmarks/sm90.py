@@ -117,7 +117,7 @@ def gemv_loop(layout: int, block_n: int = 128, num_warps: int = 4, num_stages: i
 
 
 def unit_strides(fn) -> dict[str, int]:
-    """The innermost strides (names ending in "d", "k" of x, "n" of y...) of contiguous tensors are 1."""
+    """The head-dimension strides (stride_*d) of contiguous attention tensors are 1."""
     return {name: 1 for name in fn.arg_names if name.startswith("stride_") and name[-1] == "d"}
 
 
