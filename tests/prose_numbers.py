@@ -3,7 +3,20 @@
 A *figure* is a number a reader could repeat as a fact: one with a decimal point, a percentage,
 a ratio (3.6x), a number with a unit of speed, size or time (57 tok/s, 538 MB, 14 ms), or a count of
 100 or more that is not a power of two or a year. Small integers (30 layers, batch 16, lesson 02),
-versions (torch 2.13), names (fp32, H200, Llama-2-70B) and code spans are not figures.
+versions (torch 2.13), names (fp32, H200, Llama-2-70B), numbers written with a leading zero (lab 03)
+and code spans are not figures.
+
+Tables are stricter, because a table cell has no words around its number to say what it is. A *value
+cell* holds only numbers with their units, connectors (/, vs, of, to, 和...), signs and markup; in a
+value cell EVERY number is a figure, bare integers below 100, 0 and powers of two included (a quantise
+time of "43" or "2" s needs its source like "43.2 s" does). Three places in a table hold names, not
+results, and their bare integers are exempt:
+  1. the header row (column names: "batch 16", "p50");
+  2. the first cell of a row (the row's label: a batch size, a request number, a setting);
+  3. a column whose header says its values are inputs or names: a code span (`max_num_seqs`), or a
+     header ending in "(set)" (a run's setting), "(config)" (a model's shape) or "(id)" (a lesson's or
+     lab's number); in Chinese （设定）, （配置）, （编号）.
+A cell with words ("3 places", "temperature 0", a code span, a link) is prose: the prose rules apply.
 
 Each figure is followed, in the same paragraph, table row or list item, by a GitHub footnote
 reference `[^key]`. The reference covers every figure since the previous reference in that block,
@@ -227,6 +240,7 @@ class _Number:
     unit: str
     approx: bool
     is_figure: bool = False
+    label: bool = False
 
 
 def _numbers(text: str) -> list[_Number]:
@@ -257,21 +271,107 @@ def _numbers(text: str) -> list[_Number]:
     return found
 
 
-def figures(text: str, line_of) -> list[Figure]:
+@dataclass
+class TableRow:
+    """Where a table row's cells are (offsets in the row's text) and what its table's header says."""
+    cells: list[tuple[int, int]]      # (start, end) of each cell, between the pipes
+    header: list[str]                 # the header row's cell texts, one per column
+    is_header: bool
+    values: list[bool] = field(default_factory=list)   # per cell: holds only values (value_cell)
+
+    def column(self, pos: int) -> int:
+        return next((i for i, (a, b) in enumerate(self.cells) if a <= pos < b), -1)
+
+    def value_cell(self, pos: int) -> bool:
+        """Whether the cell at pos holds only values: numbers, their units, connectors (/, vs, of, to,
+        和...), signs and markup, no other word. A cell with words ("3 places", "temperature 0", a code
+        span, a link) is prose."""
+        col = self.column(pos)
+        return 0 <= col < len(self.values) and self.values[col]
+
+
+def _only_values(cell: str) -> bool:
+    cell = FOOTNOTE_REF.sub(" ", cell)
+    rest = VALUE_WORDS.sub(" ", NUMBER.sub(" ", cell))
+    return not re.search(r"[^\W\d_]", rest)
+
+
+def _cells(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each cell of a markdown table row; an escaped pipe (\\|) does not split."""
+    pipes = [i for i, ch in enumerate(text) if ch == "|" and (i == 0 or text[i - 1] != "\\")]
+    bounds = [-1] + pipes + [len(text)]
+    cells = [(x + 1, y) for x, y in zip(bounds, bounds[1:])]
+    if pipes and not text[:pipes[0]].strip():
+        cells = cells[1:]                                       # nothing before the leading pipe
+    if pipes and not text[pipes[-1] + 1:].strip():
+        cells = cells[:-1]                                      # nothing after the trailing pipe
+    return cells
+
+
+def table_rows(doc: Doc) -> dict[int, TableRow]:
+    """Every table row of a doc by line number: its cells and its table's header."""
+    out, header, lines = {}, None, doc.lines
+    for i, (no, text) in enumerate(lines):
+        stripped = text.strip()
+        if not stripped.startswith("|"):
+            header = None
+            continue
+        if SEPARATOR.fullmatch(stripped):
+            continue
+        nxt = lines[i + 1][1].strip() if i + 1 < len(lines) else ""
+        is_header = bool(SEPARATOR.fullmatch(nxt)) and nxt.startswith("|")
+        if is_header or header is None:
+            header = [text[a:b].strip() for a, b in _cells(text)]
+        cells = _cells(text)
+        out[no] = TableRow(cells, header, is_header, [_only_values(text[a:b]) for a, b in cells])
+    return out
+
+
+SEPARATOR = re.compile(r"\|?[\s:|-]+\|?")
+# what a value cell may hold beside its numbers: units and the connectors of CONNECTOR, as whole words
+VALUE_WORDS = re.compile(r"(?<![^\W\d_])(?:" + "|".join(re.escape(u) for u in sorted(UNITS, key=len, reverse=True))
+                         + r"|vs|of|to|and|or|和|与|或|到|至|对)(?![^\W\d_])")
+# a column whose header says it holds inputs or names, not results: a code span (`max_num_seqs`), or a header
+# ending in "(set)" (a run's setting), "(config)" (a model's shape) or "(id)" (a lesson's, lab's or request's
+# number); in Chinese （设定）, （配置）, （编号）
+SETTING_HEADER = re.compile(r"^`[^`]+`$|\((?:set|config|id)\)$|（(?:设定|配置|编号)）$")
+
+
+def table_label(n: _Number, row: TableRow) -> bool:
+    """A place in a table where a bare integer names a row or a column rather than reporting a result:
+    the header row, the row's first cell (its label), a column whose header marks it (SETTING_HEADER)."""
+    if row.is_header:
+        return True
+    col = row.column(n.start)
+    return col == 0 or 0 <= col < len(row.header) and bool(SETTING_HEADER.search(row.header[col]))
+
+
+def figures(text: str, line_of, table: TableRow | None = None) -> list[Figure]:
     numbers = _numbers(text)
     for n in numbers:
-        big = (n.decimals == 0 and abs(n.value) >= 100 and not _power_of_two(abs(n.value))
-               and not 1900 <= abs(n.value) <= 2099 and abs(n.value) not in PLAIN_CONSTANTS)
+        bare = n.decimals == 0 and "e" not in n.tok.lower() and not n.unit
+        in_value_cell = table is not None and table.value_cell(n.start)
+        n.label = bare and (_leading_zero(n.tok) or in_value_cell and table_label(n, table))
+        if in_value_cell:
+            big = not n.label                                   # a table's value: every number is a figure
+        else:
+            big = (n.decimals == 0 and abs(n.value) >= 100 and not n.label and not _power_of_two(abs(n.value))
+                   and not 1900 <= abs(n.value) <= 2099 and abs(n.value) not in PLAIN_CONSTANTS)
         n.is_figure = ((n.decimals > 0 or "e" in n.tok.lower() or bool(n.unit) or big)
                        and not VERSIONISH.search(text[max(0, n.start - 22):n.start])
                        and f"{n.tok} {n.unit}" not in PLAIN_PHRASES)
     # a unit written once for several numbers: "16.7 / 18.5 / 37 tok/s", "235 vs 230 tok/s", "8-64 MB"
     for n, after in reversed(list(zip(numbers, numbers[1:]))):
-        if not n.unit and after.is_figure and after.unit and CONNECTOR.match(text[n.end:after.start]):
+        if not n.unit and not n.label and after.is_figure and after.unit and CONNECTOR.match(text[n.end:after.start]):
             n.is_figure, n.unit = True, after.unit
     return [Figure(n.tok + (n.unit if n.unit in ("%", "x", "×") else (" " + n.unit if n.unit else "")),
                    n.value, n.decimals, n.approx, line_of(n.start), n.start)
             for n in numbers if n.is_figure]
+
+
+def _leading_zero(tok: str) -> bool:
+    """03, 09: a lesson's or a lab's number, a name rather than a quantity."""
+    return len(tok) > 1 and tok[0] == "0" and tok[1].isdigit()
 
 
 def _power_of_two(n: float) -> bool:
@@ -300,6 +400,7 @@ def agrees(fig: Figure, value: float) -> bool:
 def check_doc(doc: Doc, used: set[str]) -> list[Problem]:
     """Every figure of the doc covered by a footnote whose values agree; the keys used go into `used`."""
     problems: list[Problem] = []
+    rows = table_rows(doc)
     for block in blocks(doc)[0]:
         text = "\n".join(t for _, t in block)
         starts, off = [], 0
@@ -312,7 +413,7 @@ def check_doc(doc: Doc, used: set[str]) -> list[Problem]:
 
         refs = [(m.start(), m.group(1)) for m in FOOTNOTE_REF.finditer(text)]
         clean = scrub(FOOTNOTE_REF.sub(lambda m: " " * len(m.group(0)), text))
-        figs = figures(clean, line_of)
+        figs = figures(clean, line_of, rows.get(block[0][0]) if len(block) == 1 else None)
         prev = -1
         for pos, key in refs:
             used.add(key)
@@ -384,10 +485,12 @@ def quoted(path: Path) -> list[tuple[str, tuple[tuple[float, int], ...]]]:
     docs = markdown_docs(path)
     out = []
     for doc in docs:
+        rows = table_rows(doc)
         for block in blocks(doc)[0]:
             text = "\n".join(t for _, t in block)
             refs = [(m.start(), m.group(1)) for m in FOOTNOTE_REF.finditer(text)]
-            figs = figures(scrub(FOOTNOTE_REF.sub(lambda m: " " * len(m.group(0)), text)), lambda pos: 0)
+            figs = figures(scrub(FOOTNOTE_REF.sub(lambda m: " " * len(m.group(0)), text)), lambda pos: 0,
+                           rows.get(block[0][0]) if len(block) == 1 else None)
             prev = -1
             for pos, key in refs:
                 out.append((key, tuple((f.value, f.decimals) for f in figs if prev < f.start < pos)))

@@ -6,7 +6,7 @@ import pytest
 
 from minillm.parallel.calculator import (LINKS, pipeline_parallel_step, pp_bytes_per_token, ring_all_reduce_seconds,
                                          table, tensor_parallel_step, tp_bytes_per_token)
-from minillm.roofline import GPUS, LLAMA3_70B, weight_bytes
+from minillm.roofline import GPUS, LLAMA3_70B, decode_bytes_per_step
 
 
 def test_bytes_per_token_formulas():
@@ -24,7 +24,7 @@ def test_ring_all_reduce_sends_2_n_minus_1_over_n_of_the_payload():
 def test_tensor_parallel_splits_the_weight_reads_and_pays_2_all_reduces_per_layer():
     one = tensor_parallel_step(LLAMA3_70B, "H200", 1)
     eight = tensor_parallel_step(LLAMA3_70B, "H200", 8)
-    assert one["weights_s"] == pytest.approx(weight_bytes(LLAMA3_70B, 2) / GPUS["H200"]["bandwidth"])
+    assert one["weights_s"] == pytest.approx(decode_bytes_per_step(LLAMA3_70B, 2, 0) / GPUS["H200"]["bandwidth"])
     assert eight["weights_s"] == pytest.approx(one["weights_s"] / 8)
     assert eight["messages_per_step"] == 160 and one["comm_s"] == 0
     assert eight["comm_s"] == pytest.approx(160 * 2 * 7 / 8 * 8192 * 2 / LINKS["NVLink 4"])

@@ -20,7 +20,7 @@ per-message latency (add latency_s, e.g. the gloo latency bench parallel measure
 from __future__ import annotations
 
 from ..model import ModelConfig
-from ..roofline import GPUS, LLAMA3_70B, decode_flops_per_token, kv_bytes_per_token, weight_bytes
+from ..roofline import GPUS, LLAMA3_70B, decode_bytes_per_step, decode_flops_per_token, kv_bytes_per_token, weight_bytes
 
 # Published per-direction bandwidth of one GPU's link, bytes/s:
 #   NVLink 4 (H100/H200 SXM): 900 GB/s per GPU, both directions together -> 450 GB/s each way
@@ -52,7 +52,7 @@ def _compute_and_weights(cfg: ModelConfig, gpu: str, share: float, batch: int, c
                          dtype_bytes: float) -> tuple[float, float]:
     """Seconds of FLOPs and of HBM reads for `share` of the model (1/N of it) in one decode step."""
     flops = batch * decode_flops_per_token(cfg, context) * share
-    nbytes = (weight_bytes(cfg, dtype_bytes) + batch * context * kv_bytes_per_token(cfg, dtype_bytes)) * share
+    nbytes = decode_bytes_per_step(cfg, dtype_bytes, context, batch) * share   # of the embedding, the batch's rows
     return flops / GPUS[gpu]["flops"], nbytes / GPUS[gpu]["bandwidth"]
 
 

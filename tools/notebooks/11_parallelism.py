@@ -130,7 +130,8 @@ print(f"worker processes still alive after close: {[p for p in workers if os.pat
 
 The calculator splits lesson 01's roofline N ways and adds the communication (published link bandwidths:
 NVLink 4 inside a node, InfiniBand NDR between nodes). TP divides one token's time; PP does not (a token
-still passes every stage), it multiplies throughput with several batches in flight.
+still passes every stage). With several batches in flight it multiplies throughput relative to a pipeline
+with one batch in flight, not relative to one GPU holding the whole model: per GPU it does the same work.
 """),
 ("code", r"""
 for r in table(LLAMA3_70B, "H200", (1, 2, 4, 8), batch=64, context=4096):
