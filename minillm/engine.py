@@ -11,12 +11,13 @@ One step:
   2. The runner computes all those tokens in one flat forward (minillm/model_runner.py)
      and returns logits only for rows that need them: the last token of a request whose
      computed tokens caught up with its tokens, or every prompt row for prompt_logprobs.
-  3. Those requests sample a token (per-request SamplingParams and generator; LLM.append_token
-     also handles stop strings, EOS, max_tokens and detokenising); finished ones leave and
-     free their blocks at once, so the next step can admit someone new.
+  3. Those requests sample a token (per-request SamplingParams and generator; the output
+     processor, minillm/output_processor.py, also applies stop strings, EOS and max_tokens and
+     detokenises); finished ones leave and free their blocks at once, so the next step can
+     admit someone new.
 
-The LLM owns the request life cycle (tokenising, sampling, stop rules, outputs); the engine
-owns the batching. Per-step metrics (batch size, tokens, decodes, prefill tokens, preemptions)
+The LLM tokenises and validates; the engine owns the batching, the output processor what
+reaches the user. Per-step metrics (batch size, tokens, decodes, prefill tokens, preemptions)
 for the last STEP_LOG_LEN steps are kept in engine.step_log for lessons and benchmarks.
 """
 from __future__ import annotations
@@ -80,21 +81,23 @@ class Engine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
                  kv_cache_dtype: str = "auto", prefix_cache: str = "hash", speculation=None,
-                 enforce_eager: bool = False, triton_on_cpu: bool = False):
+                 enforce_eager: bool = False, triton_on_cpu: bool = False, tune_kernels: bool = True):
         """enforce_eager False: decode-only steps replay CUDA graphs where the runner uses the Triton
-        paged path (minillm/cuda_graphs.py). triton_on_cpu: that path on CPU under TRITON_INTERPRET=1 (tests)."""
+        paged path (minillm/cuda_graphs.py). triton_on_cpu: that path on CPU under TRITON_INTERPRET=1 (tests).
+        tune_kernels: the build's one timing step (GEMM library per weight shape, ModelRunner); False: defaults."""
         cfg, dtype = llm.config, llm.model.embed.weight.dtype
         num_kv_blocks = check_engine_args(llm, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
                                           kv_cache_dtype, enable_chunked_prefill)
         check_enforce_eager(enforce_eager)
         self.llm = llm
+        self.output_processor = llm.output_processor
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching, prefix_cache)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    enable_chunked_prefill)
         if getattr(llm, "parallel", None) is None:
             self.kv = PagedKVCache(cfg, num_kv_blocks, block_size, dtype, llm.device, kv_cache_dtype)
             self.runner = ModelRunner(llm.model, self.kv, llm.rope, prepack_rows=max_num_seqs,
-                                      triton_on_cpu=triton_on_cpu)
+                                      triton_on_cpu=triton_on_cpu, tune_kernels=tune_kernels)
             if not enforce_eager and speculation is None:     # drafts make multi-token rows: eager
                 self.runner.graphs = make_decode_graphs(self.runner, max_num_seqs,
                                                         math.ceil(llm.max_model_len / block_size))
@@ -129,10 +132,11 @@ class Engine:
     # --- one step ---------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[tuple[Request, str]]:
+        """Schedule, execute, sample, update. -> (request, new visible text) for every request
+        that got tokens this step."""
         t0 = time.perf_counter()
-        spec = self.speculation
-        if spec is not None:                                               # NEW: speculative, 1. propose
-            spec.propose(self.scheduler.running, self.scheduler.max_num_batched_tokens)
+        if self.speculation is not None:                                   # NEW: speculative, 1. propose
+            self.speculation.propose(self.scheduler.running, self.scheduler.max_num_batched_tokens)
         plan = self.scheduler.schedule()
         if not plan.requests:
             if self.scheduler.has_unfinished():
@@ -140,8 +144,20 @@ class Engine:
                                    "the KV pool is too small for them")
             return []
         self.kv.copy_blocks(plan.block_copies)
+        batch, wants, spans = self._prepare(plan)
+        log = self._step_counts(plan)                                      # before the update moves the counts
+        logits = self.runner.forward(batch)                                # (K, V)
+        verified, events = self._verify(plan, spans, logits, log)
+        events += self._sample_and_update(plan, wants, spans, logits, verified)
+        self._log(log, plan, verified, t0)
+        return events
+
+    def _prepare(self, plan) -> tuple:
+        """The step's flat batch (model_runner.build_batch); per request which logits rows it needs
+        ("all": prompt logprobs or drafts to verify, "last": it samples, "none": a prefill chunk) and
+        where they sit in the runner's output: spans[i] = (first row, end row)."""
         bm = self.block_manager
-        runs, wants = [], []
+        runs, wants, spans, row = [], [], [], 0
         for req, n in zip(plan.requests, plan.num_new_tokens):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             wants_prompt = req.params.prompt_logprobs is not None and req.prompt_logprobs is None
@@ -149,43 +165,48 @@ class Engine:
             runs.append(((req.all_token_ids + req.spec_token_ids)[start:end], start, bm.block_table(req.request_id),
                          bm.slot_mapping(req.request_id, start, end)))
             wants.append(want)
-        batch = build_batch(runs, wants, bm.block_size, self.kv.k.device, self.decode_group_cost)
-        logits = self.runner.forward(batch)                                # (K, V)
-        num_tokens = plan.num_batched_tokens                               # computed, drafts included
-        decodes = sum(1 for r in plan.requests
-                      if r.num_computed_tokens == r.num_tokens - 1 and r.num_tokens > len(r.prompt_token_ids))
-        spans, row = [], 0                                                 # each request's rows of logits
-        for n, want in zip(plan.num_new_tokens, wants):
             rows = n if want == "all" else int(want == "last")
             spans.append((row, row + rows))
             row += rows
-        events, verified, drafted, accepted = [], {}, 0, 0
+        return build_batch(runs, wants, bm.block_size, self.kv.k.device, self.decode_group_cost), wants, spans
+
+    def _verify(self, plan, spans, logits, log) -> tuple[dict, list]:
+        """NEW: speculative, 3. verify and 4. roll back. -> {id(req): (the target's own token, its
+        logits row)} for every request whose drafts ran, and the accepted drafts' output events."""
+        verified, events = {}, []
         for i, req in enumerate(plan.requests):
             if not req.spec_token_ids:
                 continue
-            lo, hi = spans[i]                                              # NEW: speculative, 3. verify
-            start, drafted = req.num_computed_tokens, drafted + len(req.spec_token_ids)
-            tokens, a = spec.verify(req, logits[lo:hi])
-            accepted += a
-            plan.num_new_tokens[i] = 1 + a                                 # 4. roll back the rejected drafts
-            bm.truncate(req.request_id, start + 1 + a)
+            lo, hi = spans[i]
+            start = req.num_computed_tokens
+            log["num_draft_tokens"] += len(req.spec_token_ids)
+            tokens, a = self.speculation.verify(req, logits[lo:hi])
+            log["num_accepted_tokens"] += a
+            plan.num_new_tokens[i] = 1 + a                                 # the rejected drafts roll back
+            self.block_manager.truncate(req.request_id, start + 1 + a)
             for j in range(a):                                             # the accepted drafts are output now
-                events.append((req, self.llm.append_token(req, logits[lo + j], tokens[j])))
+                events.append((req, self.output_processor.append(req, logits[lo + j], tokens[j])))
                 if req.finished:                                           # a stop inside the run: the rest is dropped
                     break
-            verified[id(req)] = (tokens[a], lo + a)                        # the target's own token, and its row
+            verified[id(req)] = (tokens[a], lo + a)
+        return verified, events
+
+    def _sample_and_update(self, plan, wants, spans, logits, verified) -> list:
+        """Move every request's computed count on (Scheduler.update); those that caught up sample a
+        token; finished ones leave and free their blocks at once."""
         to_sample = set(map(id, self.scheduler.update(plan)))
         # greedy rows: one argmax over the whole (K, V) block, in fp32 (bf16 is slower on CPU), as
         # max(-1).indices: the same first maximal index, and 2-3x faster than argmax(-1) on CPU;
-        # guided rows must take the argmax of their masked logits: append_token does it
+        # guided rows must take the argmax of their masked logits: the output processor does it
         any_greedy = any(r.params.greedy and r.guide is None for r in plan.requests
                          if id(r) in to_sample and id(r) not in verified)
         greedy = logits.float().max(-1).indices.tolist() if any_greedy else []
+        events = []
         for req, want, (lo, hi) in zip(plan.requests, wants, spans):
             if want == "all" and id(req) not in verified:
                 req.prompt_logits.append(logits[lo:hi])                    # (T_chunk, V)
                 if req.num_computed_tokens >= len(req.prompt_token_ids):
-                    self.llm.set_prompt_logprobs(req, torch.cat(req.prompt_logits))
+                    self.output_processor.set_prompt_logprobs(req, torch.cat(req.prompt_logits))
                     req.prompt_logits = []
             if id(req) in to_sample and not req.finished:
                 if id(req) in verified:
@@ -193,22 +214,28 @@ class Engine:
                 else:
                     last = hi - 1
                     token = greedy[last] if req.params.greedy and req.guide is None else None
-                events.append((req, self.llm.append_token(req, logits[last], token)))
+                events.append((req, self.output_processor.append(req, logits[last], token)))
             if req.finished and req.request_id in self.requests:
                 self.scheduler.finish(req)
                 del self.requests[req.request_id]
+        return events
+
+    def _step_counts(self, plan) -> dict:
+        decodes = sum(1 for r in plan.requests
+                      if r.num_computed_tokens == r.num_tokens - 1 and r.num_tokens > len(r.prompt_token_ids))
+        return {"num_seqs": len(plan.requests), "num_tokens": plan.num_batched_tokens,   # drafts included
+                "num_decodes": decodes, "num_preempted": len(plan.preempted),
+                "num_draft_tokens": 0, "num_accepted_tokens": 0}
+
+    def _log(self, log: dict, plan, verified: dict, t0: float) -> None:
         seconds = time.perf_counter() - t0
-        if spec is not None:
-            spec.cost.observe(num_tokens, seconds)
-        self.step_log.append({"time": time.perf_counter(), "seconds": seconds,
-                              "num_seqs": len(plan.requests), "num_tokens": num_tokens,
-                              "num_decodes": decodes, "num_preempted": len(plan.preempted),
+        if self.speculation is not None:
+            self.speculation.cost.observe(log["num_tokens"], seconds)
+        self.step_log.append({"time": time.perf_counter(), "seconds": seconds, **log,
                               "num_running": len(self.scheduler.running),
                               "num_waiting": len(self.scheduler.waiting),
-                              "free_blocks": bm.num_free_blocks,
-                              "num_verified_requests": len(verified), "num_draft_tokens": drafted,
-                              "num_accepted_tokens": accepted})
-        return events
+                              "free_blocks": self.block_manager.num_free_blocks,
+                              "num_verified_requests": len(verified)})
 
     def run(self, requests: list[Request], progress=None) -> None:
         """Add every request and step until all are finished (progress: a tqdm bar or None).

@@ -24,11 +24,12 @@ from .engine import Engine, check_engine_args
 from .speculative_engine import EngineSpeculation
 from .loader import load_model, resolve_device
 from .model import check_attention_backend
-from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .output_processor import OutputProcessor
+from .outputs import RequestMetrics, RequestOutput
 from .positions import RopeTable
 from .quant.linear import QuantLinear
 from .request import Request
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import SamplingParams, make_generator
 
 # Process-wide, not per LLM: request ids stay unique when requests made by one LLM meet another's in
 # an engine or a log (tests, notebooks and benchmarks build several LLMs around one model).
@@ -44,7 +45,7 @@ class LLM:
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
                  kv_cache_dtype: str = "auto", prefix_cache: str = "hash", tokenizer=None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 speculative_policy: str = "adaptive", enforce_eager: bool = False):
+                 speculative_policy: str = "adaptive", enforce_eager: bool = False, tune_kernels: bool = True):
         """model: "smollm2", a .gguf path or an HF folder; or an already-built minillm Llama
         module together with its `tokenizer` (tests use a tiny random model this way).
         prefix_cache: the index enable_prefix_caching uses, "hash" (vLLM's block hashes) or
@@ -55,7 +56,10 @@ class LLM:
         speculative_policy "adaptive" gives each request as many drafts as pay at the step's batch
         size (minillm/speculative_engine.py), "always" num_speculative_tokens every step.
         enforce_eager: False (vLLM's default) replays a CUDA graph for every decode-only step on a GPU
-        (minillm/cuda_graphs.py); True runs every step op by op."""
+        (minillm/cuda_graphs.py); True runs every step op by op.
+        tune_kernels: building the engine times the CPU GEMM libraries per weight shape once
+        (minillm/prepacked.py; recorded in llm.engine.runner.gemm_libraries); False takes the
+        recorded default (MKL for fp32: F.linear's bits) and times nothing."""
         from .model import Llama
         from .quant import METHODS as QUANT_METHODS
 
@@ -64,6 +68,8 @@ class LLM:
                              f"{', '.join(map(repr, QUANT_METHODS))}")
         check_prefix_cache(prefix_cache, enable_prefix_caching)         # before the model loads
         check_enforce_eager(enforce_eager)
+        if not isinstance(tune_kernels, bool):
+            raise ValueError(f"tune_kernels = {tune_kernels!r}; allowed: True or False")
         self.parallel = None
         mode, size = _parallel_mode(tensor_parallel_size, pipeline_parallel_size, quantization, speculative_method)
         if speculative_method is not None:
@@ -89,6 +95,7 @@ class LLM:
             raise ValueError(f"max_model_len = {max_model_len} exceeds the model's context of "
                              f"{self.config.max_seq_len} tokens; allowed: 2..{self.config.max_seq_len}")
         self.max_model_len = max_model_len
+        self.output_processor = OutputProcessor(self.tokenizer, max_model_len)
         if quantization is not None:
             self._quantize(quantization)
         elif not any(isinstance(m, QuantLinear) for m in self.model.modules()):   # a model quantised already
@@ -98,7 +105,7 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 enable_chunked_prefill=enable_chunked_prefill,
                                 enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
-                                prefix_cache=prefix_cache, enforce_eager=enforce_eager)
+                                prefix_cache=prefix_cache, enforce_eager=enforce_eager, tune_kernels=tune_kernels)
         check_engine_args(self, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, kv_cache_dtype,
                           enable_chunked_prefill)
         self._engine = None                  # built on first use: it allocates the KV pool
@@ -213,75 +220,6 @@ class LLM:
             check_jump_forward(self.tokenizer)
         return GuideState(compile_guide(guided, self.tokenizer, self.config.vocab_size), guided.jump_forward)
 
-    # ---- one step of a request: shared by every runner ---------------------------------------
-
-    def append_token(self, req: Request, logits: torch.Tensor, token: int | None = None) -> str:
-        """Sample from logits (V,) (or take `token`, chosen by a verifier), append, update
-        text/stop state. Returns the new visible text. logits feed the logprobs either way.
-
-        Guided requests sample from the logits with the grammar's forbidden tokens at -inf;
-        their logprobs are the model's own (raw, unmasked) distribution, like vLLM's default.
-        With jump-forward, the tokens the grammar then forces are appended too, unsampled."""
-        guide = req.guide
-        if token is None:
-            token = sample(logits if guide is None else guide.masked(logits), req.params, req.generator)
-        self._push_token(req, token, logits)
-        if guide is not None and guide.jump_forward and not req.finished:
-            for forced in guide.forced_tokens():
-                self._push_token(req, forced, None)
-                guide.num_forced_tokens += 1
-                if req.finished:
-                    break
-        return _visible_delta(req)
-
-    def _push_token(self, req: Request, token: int, logits: torch.Tensor | None) -> None:
-        """Append one token and apply the stop rules (logits None: a jump-forward token)."""
-        if req.guide is not None:
-            req.guide.advance(token)
-        now = time.time()
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        req.output_token_ids.append(token)
-        if req.params.logprobs is not None:
-            entry, lp = _logprob_entry(logits, token, req.params.logprobs, self.tokenizer)
-            req.output_logprobs.append(entry)
-            req.cumulative_logprob += lp
-        req.text = self.tokenizer.decode(req.output_token_ids)
-        params = req.params
-        if not params.ignore_eos and token == self.tokenizer.eos_token_id:
-            req.finish_reason, req.stop_reason = "stop", None
-        elif token in params.stop_token_ids:
-            req.finish_reason, req.stop_reason = "stop", token
-        for s in params.stop:
-            at = req.text.find(s)
-            if at != -1:
-                req.text = req.text[:at]
-                req.finish_reason, req.stop_reason = "stop", s
-                break
-        if not req.finished and (len(req.output_token_ids) >= params.max_tokens
-                                 or len(req.all_token_ids) >= self.max_model_len):
-            req.finish_reason = "length"
-        if req.finished:
-            req.metrics.finished_time = now
-        req.metrics.num_generated_tokens = len(req.output_token_ids)
-
-    def set_prompt_logprobs(self, req: Request, prompt_logits: torch.Tensor) -> None:
-        """prompt_logits (T, V): position t predicts token t + 1."""
-        k = req.params.prompt_logprobs
-        entries = [None]
-        for t in range(1, len(req.prompt_token_ids)):
-            entries.append(_logprob_entry(prompt_logits[t - 1], req.prompt_token_ids[t], k, self.tokenizer)[0])
-        req.prompt_logprobs = entries
-
-    def to_output(self, req: Request) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0, text=req.text, token_ids=list(req.output_token_ids),
-            cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
-            logprobs=req.output_logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason)
-        return RequestOutput(request_id=req.request_id, prompt=req.prompt,
-                             prompt_token_ids=req.prompt_token_ids, prompt_logprobs=req.prompt_logprobs,
-                             outputs=[completion], finished=req.finished, metrics=req.metrics)
-
     # ---- one request at a time over a contiguous KV cache: the reference for the engine, ------
     # ---- and the path speculative decoding runs on ------------------------------------------
 
@@ -308,13 +246,13 @@ class LLM:
         prompt = torch.tensor([req.prompt_token_ids], device=self.device)     # (1, T)
         if req.params.prompt_logprobs is not None:
             logits = forward_cached(self.model, prompt, cache, all_logits=True)[0]  # (T, V)
-            self.set_prompt_logprobs(req, logits)
+            self.output_processor.set_prompt_logprobs(req, logits)
             logits = logits[-1]
         else:
             logits = step(prompt)[0]                                          # (V,)
         computed = len(req.prompt_token_ids)
         while True:
-            yield self.append_token(req, logits)
+            yield self.output_processor.append(req, logits)
             if req.finished:
                 return
             new = req.all_token_ids[computed:]        # the sampled token (+ any jump-forward tokens)
@@ -341,7 +279,7 @@ class LLM:
                     for _ in self.stream_request(req):
                         pass
                     bar.update(1)
-        return [self.to_output(r) for r in requests]
+        return [self.output_processor.to_output(r) for r in requests]
 
     def _contiguous_fits(self) -> bool:
         """A request may run on the contiguous batch-1 path: one process, no prefix cache, model-dtype KV."""
@@ -392,30 +330,3 @@ def _parallel_mode(tensor_parallel_size, pipeline_parallel_size, quantization, s
         raise ValueError("tensor/pipeline parallelism runs the unquantised model on the batching engine; allowed "
                          "with it: quantization=None and speculative_method=None")
     return ("tensor" if tensor_parallel_size > 1 else "pipeline"), size
-
-
-def _logprob_entry(logits: torch.Tensor, token: int, k: int, tokenizer) -> tuple[dict[int, Logprob], float]:
-    """{token: Logprob} for the chosen token plus the k most likely ones (raw logits, no temperature)."""
-    logp = logits.float().log_softmax(-1)                              # (V,)
-    chosen = float(logp[token])
-    rank = int((logp > logp[token]).sum()) + 1
-    entry = {token: Logprob(chosen, rank, tokenizer.decode([token], skip_special_tokens=False))}
-    if k:
-        top = torch.topk(logp, k)
-        for r, (v, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
-            entry.setdefault(i, Logprob(v, r, tokenizer.decode([i], skip_special_tokens=False)))
-    return entry, chosen
-
-
-def _visible_delta(req: Request) -> str:
-    """Text not yet shown that is safe to show. While running, hold back a trailing partial
-    UTF-8 character (decoded as U+FFFD) and the last len(stop) - 1 characters, which could still
-    turn out to be the start of a stop string."""
-    visible = req.text
-    if not req.finished:
-        visible = visible.rstrip("\ufffd")
-        hold = max((len(s) - 1 for s in req.params.stop), default=0)
-        visible = visible[:len(visible) - hold]
-    delta = visible[req.emitted:]
-    req.emitted = max(req.emitted, len(visible))
-    return delta

@@ -267,14 +267,17 @@ class ModelRunner:
     """Runs PagedBatches of one model over one PagedKVCache."""
 
     def __init__(self, model: Llama, kv: PagedKVCache, rope: RopeTable, prepack_rows: int | None = None,
-                 triton_on_cpu: bool = False):
+                 triton_on_cpu: bool = False, tune_kernels: bool = True):
         """prepack_rows: on CPU, lay the float weights out once for batches of about this many rows
         (minillm/prepacked.py; the engine passes max_num_seqs); None: plain F.linear.
+        tune_kernels: time MKL against oneDNN per weight shape, once, here (prepacked.choose_libraries);
+        False: the recorded default. What was chosen is kept in self.gemm_libraries.
         triton_on_cpu: run the GPU path (Triton store + paged decode kernel) on CPU tensors under
         TRITON_INTERPRET=1, so that tests on a CPU machine cover what a GPU runs."""
         self.model, self.kv, self.rope = model, kv, rope
         self.fused = is_fused(model)            # fused QKV / gate-up (not for quantised models)
-        self.packed_layers, self.packed_head = self._prepack(prepack_rows)
+        self.gemm_libraries: dict[str, str] = {}                        # library_key -> "mkl" | "onednn"
+        self.packed_layers, self.packed_head = self._prepack(prepack_rows, tune_kernels)
         if triton_on_cpu and kv.k.device.type == "cpu" and not INTERPRETED:
             raise ValueError("triton_on_cpu=True needs TRITON_INTERPRET=1 in the environment before minillm "
                              "is imported (the Triton kernels run on CPU only in the interpreter)")
@@ -290,16 +293,17 @@ class ModelRunner:
         """Run on plain F.linear from now on (frees the packed copies; bench engine-step compares)."""
         self.packed_layers, self.packed_head = None, None
 
-    def _prepack(self, rows: int | None) -> tuple[list | None, prepacked.PrepackedLinear | None]:
+    def _prepack(self, rows: int | None, tune: bool) -> tuple[list | None, prepacked.PrepackedLinear | None]:
         """-> per layer (wqkv, wo, w_gate_up, w_down) prepacked, and the tied LM head; or Nones."""
         model = self.model
         if rows is None or not self.fused or self.kv.k.device.type != "cpu":
             return None, None
-        layers = [tuple(prepacked.prepack_or_none(m, rows) for m in
-                        (layer.attn.wqkv, layer.attn.wo, layer.ffn.w_gate_up, layer.ffn.w_down))
-                  for layer in model.layers]
-        head = prepacked.prepack_or_none(model.embed.weight, rows) if model.lm_head is None else None
-        return layers, head
+        linears = [(layer.attn.wqkv, layer.attn.wo, layer.ffn.w_gate_up, layer.ffn.w_down) for layer in model.layers]
+        weights = [m.weight for ms in linears for m in ms if type(m) is torch.nn.Linear and m.bias is None]
+        head = model.embed.weight if model.lm_head is None else None
+        self.gemm_libraries = prepacked.choose_libraries(weights + ([head] if head is not None else []), rows, tune)
+        layers = [tuple(prepacked.prepack_or_none(m, rows, self.gemm_libraries) for m in ms) for ms in linears]
+        return layers, None if head is None else prepacked.prepack_or_none(head, rows, self.gemm_libraries)
 
     def _decode_buffers(self, batch: PagedBatch) -> tuple | None:
         """Two (Bg * n, block_size, Hkv, D) buffers, for the largest decode group, that every

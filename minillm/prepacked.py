@@ -14,9 +14,11 @@ frozen CPU graph; here it is done by hand, once per engine:
 
 Which library is faster depends on the CPU: on the AMD EPYC VM oneDNN's fp32 GEMM is more than
 twice as fast as MKL's (MKL does not pick its best code for a CPU that is not Intel's; bench
-engine-step records both rates). So where both apply (fp32), the first weight of each shape is
-timed with both, and that shape keeps the faster (`fastest_library`, once per process; benchmarks
-record `chosen_libraries()`).
+engine-step records both rates). So where both apply (fp32), the engine's build has one explicit
+tuning step (`choose_libraries`): each distinct weight shape is timed with both, the faster kept,
+and the choice recorded on the runner (`runner.gemm_libraries`). Skipped (tune=False), every shape
+takes `default_library`: MKL for fp32, whose packed GEMM gives F.linear's very bits. Nothing is
+timed anywhere else, and nothing is remembered between engines.
 
 The cost: a second copy of every packed weight (the original stays: the batch-1 path and
 state_dict read it). Packed once: a weight changed afterwards is not seen (build a new engine).
@@ -24,12 +26,13 @@ Measured in results/engine-step.json (bench engine-step, prepacked vs not on the
 """
 from __future__ import annotations
 
+import statistics
+import time
+from typing import Iterable
+
 import torch
 
-from .benchmarks.common import time_median
-
 TIMED_CALLS = 5
-_chosen: dict[str, str] = {}          # "dtype (out, in) rows=M" -> the library timed faster in this process
 
 
 def libraries_for(weight: torch.Tensor) -> list[str]:
@@ -46,46 +49,66 @@ def libraries_for(weight: torch.Tensor) -> list[str]:
     return found
 
 
-def _seconds_per_call(packed: "PrepackedLinear", x: torch.Tensor) -> float:
-    return time_median(lambda: packed(x), TIMED_CALLS)                 # after one warm-up call
-
-
-def fastest_library(weight: torch.Tensor, rows: int) -> str:
-    """The library whose prepacked GEMM of this weight's shape and dtype at `rows` rows runs faster
-    here, timed once per process and shape on this weight and a random input (speed does not depend on values)."""
+def default_library(weight: torch.Tensor) -> str:
+    """The library a weight is prepacked for when nothing is timed: MKL where it applies (fp32: the
+    same bits as F.linear), else oneDNN."""
     found = libraries_for(weight)
     if not found:
         raise ValueError(f"cannot prepack a {weight.dtype} weight on {weight.device} here")
-    key = f"{str(weight.dtype).removeprefix('torch.')} {tuple(weight.shape)} rows={rows}"
-    if key not in _chosen:
-        if len(found) == 1:
-            _chosen[key] = found[0]
+    return found[0]
+
+
+def library_key(weight: torch.Tensor, rows: int) -> str:
+    """What a choice is made for: "dtype (out, in) rows=M" (speed depends on these, not on values)."""
+    return f"{str(weight.dtype).removeprefix('torch.')} {tuple(weight.shape)} rows={rows}"
+
+
+def seconds_per_call(packed: "PrepackedLinear", x: torch.Tensor) -> float:
+    """Median wall-clock seconds of packed(x) over TIMED_CALLS calls, after one warm-up call."""
+    packed(x)
+    times = []
+    for _ in range(TIMED_CALLS):
+        t0 = time.perf_counter()
+        packed(x)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def choose_libraries(weights: Iterable[torch.Tensor], rows: int, tune: bool = True) -> dict[str, str]:
+    """The tuning step, run once when an engine is built: for each distinct dtype and shape among
+    `weights` that can be prepacked, the library whose prepacked GEMM at `rows` rows ran faster here
+    (tune=True; timed on that weight and a random input), or default_library (tune=False).
+    -> {library_key: library}; the runner keeps it and every PrepackedLinear it builds follows it."""
+    chosen = {}
+    for w in weights:
+        w = w.detach()
+        key = library_key(w, rows)
+        found = libraries_for(w)
+        if key in chosen or not found:
+            continue
+        if tune and len(found) > 1:
+            x = torch.randn(rows, w.shape[1], dtype=w.dtype)              # (M, in)
+            chosen[key] = min(found, key=lambda lib: seconds_per_call(PrepackedLinear(w, rows, lib), x))
         else:
-            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)   # (M, in)
-            _chosen[key] = min(found, key=lambda lib: _seconds_per_call(PrepackedLinear(weight, rows, lib), x))
-    return _chosen[key]
-
-
-def chosen_libraries() -> dict[str, str]:
-    """What fastest_library picked in this process, per dtype, shape and rows (benchmarks record it)."""
-    return dict(_chosen)
+            chosen[key] = default_library(w)
+    return chosen
 
 
 class PrepackedLinear:
     """y = x @ weight.T with weight (out, in) prepacked for batches of about `rows` rows."""
 
-    def __init__(self, weight: torch.Tensor, rows: int, library: str | None = None):
-        """library: "mkl", "onednn", or None: the faster one here (fastest_library)."""
+    def __init__(self, weight: torch.Tensor, rows: int, library: str):
+        """library: "mkl" or "onednn" (choose_libraries picks one per shape)."""
         found = libraries_for(weight)
         if not found:
             raise ValueError(f"cannot prepack a {weight.dtype} weight on {weight.device} here; "
                              "allowed: fp32 with MKL or oneDNN, bf16/fp16 with oneDNN, on CPU, without grad")
         if not isinstance(rows, int) or rows < 1:
             raise ValueError(f"rows = {rows!r}; allowed: a positive integer (the expected batch rows)")
-        if library is not None and library not in found:
+        if library not in found:
             raise ValueError(f"library = {library!r} cannot prepack a {weight.dtype} weight here; "
-                             f"allowed: {', '.join(map(repr, found))} or None")
-        self.library = library or fastest_library(weight, rows)
+                             f"allowed: {', '.join(map(repr, found))}")
+        self.library = library
         self.weight, self.rows = weight.detach(), rows                     # (out, in)
         if self.library == "mkl":
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
@@ -99,14 +122,16 @@ class PrepackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
 
 
-def prepack_or_none(module, rows: int) -> PrepackedLinear | None:
-    """A bias-free plain nn.Linear (or a bare weight) prepacked, or None where this cannot be."""
+def prepack_or_none(module, rows: int, libraries: dict[str, str]) -> PrepackedLinear | None:
+    """A bias-free plain nn.Linear (or a bare weight) prepacked for the library `libraries` (from
+    choose_libraries) names for its shape, or None where this cannot be."""
     weight = module if isinstance(module, torch.Tensor) else getattr(module, "weight", None)
     if isinstance(module, torch.nn.Linear) and (type(module) is not torch.nn.Linear or module.bias is not None):
         return None
     if weight is None or not libraries_for(weight.detach()):
         return None
-    return PrepackedLinear(weight.detach(), rows)
+    weight = weight.detach()
+    return PrepackedLinear(weight, rows, libraries[library_key(weight, rows)])
 
 
 def lm_head(packed: PrepackedLinear, model, h: torch.Tensor) -> torch.Tensor:

@@ -409,11 +409,11 @@ def speculative_stream(llm, req, method: str, k: int, stats: SpecStats | None = 
     # Prefill exactly as the plain runner does; the first token is sampled from the target.
     if params.prompt_logprobs is not None:
         logits = target.step_all(req.prompt_token_ids)                          # (T, V)
-        llm.set_prompt_logprobs(req, logits)
+        llm.output_processor.set_prompt_logprobs(req, logits)
         logits = logits[-1]
     else:
         logits = target.step(req.prompt_token_ids)                              # (V,)
-    yield llm.append_token(req, logits)
+    yield llm.output_processor.append(req, logits)
     while not req.finished:
         context = req.all_token_ids                # the target's cache holds all but the last
         left = min(params.max_tokens - len(req.output_token_ids), llm.max_model_len - len(context))
@@ -441,7 +441,7 @@ def speculative_stream(llm, req, method: str, k: int, stats: SpecStats | None = 
         draft.rollback(kept)
         _count(stats, len(guesses), accepted)
         for i in range(accepted + 1):
-            yield append_token_id(llm, req, logits[i], tokens[i])
+            yield llm.output_processor.append(req, logits[i], tokens[i])   # the verifier's token
             if req.finished:                       # a stop inside the run discards the rest
                 return
 
@@ -468,9 +468,3 @@ def _count(stats: SpecStats, drafted: int, accepted: int) -> None:
     stats.rejections += int(accepted < drafted)
     stats.emitted += accepted + 1
     stats.accepted_per_call.append(accepted)
-
-
-def append_token_id(llm, req, logits: torch.Tensor, token: int) -> str:
-    """Append a token the verifier chose (not sampled here), with LLM.append_token's bookkeeping.
-    logits (V,) are the target's at that position, so logprobs are right."""
-    return llm.append_token(req, logits, token=token)

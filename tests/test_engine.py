@@ -159,7 +159,7 @@ def test_prompt_logprobs_through_the_engine_equal_the_single_path():
     params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0, logprobs=1)
     (got,) = llm.make_requests([prompt], params)
     llm.engine.run([got])
-    got = llm.to_output(got)
+    got = llm.output_processor.to_output(got)
     (req,) = llm.make_requests([prompt], params)
     for _ in llm.stream_request(req):
         pass

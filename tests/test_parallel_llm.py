@@ -176,17 +176,25 @@ HELD_OUT = ["The three primary colours are", "def fibonacci(n):", "Water boils a
             "Once upon a time, in a small village by the sea,"]
 
 
-def test_smollm2_tensor_parallel_3_equals_one_process(llm, smollm2_path):
+def test_smollm2_tensor_parallel_3_equals_one_process(smollm2_path):
+    """The TP ranks multiply by plain F.linear (MKL's GEMM in fp32); the one-process engine prepacks its
+    weights for the library timed faster per shape (minillm/prepacked.py): MKL's packed GEMM gives
+    F.linear's bits, oneDNN's does not (1.9e-5 apart in these logprobs on the AMD EPYC VM, where oneDNN
+    wins). Which one wins is timed, so under the load of the full suite it can change from run to run:
+    the reference here runs on the TP ranks' kernels, so that the only difference left is the one TP
+    adds, the all-reduce summing three partial products in another order than one GEMM."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-    want = _tokens_and_logprobs(llm.generate(HELD_OUT, params, use_tqdm=False))
+    with LLM(model=str(smollm2_path), dtype="float32", device="cpu") as one:
+        one.engine.runner.drop_prepacked()                              # F.linear, as on every TP rank
+        want = _tokens_and_logprobs(one.generate(HELD_OUT, params, use_tqdm=False))
     with LLM(model=str(smollm2_path), dtype="float32", device="cpu", tensor_parallel_size=3) as tp:
         assert tp.config.n_heads == 3 and tp.config.n_kv_heads == 1    # 9 query, 3 KV heads over 3 ranks
+        assert tp.engine.runner.packed_layers is None
         got = _tokens_and_logprobs(tp.generate(HELD_OUT, params, use_tqdm=False))
         pids = [p.pid for p in tp.parallel.processes]
     assert got[0] == want[0]
     worst = max(abs(a - b) for g, w in zip(got[1], want[1]) for a, b in zip(g, w))
-    print(f"largest logprob difference, TP=3 vs one process: {worst:.2e}")
-    # fp32 rounding only: three partial products summed by the all-reduce in another order than one GEMM,
-    # through 30 layers and 8 tokens (1.5e-5 on the 2-core AMD EPYC VM, below 1e-5 on the Xeon one)
+    print(f"largest logprob difference, TP=3 vs one process on the same GEMM: {worst:.2e}")
+    # the all-reduce's order through 30 layers and 8 tokens: 9.0e-6 on the AMD EPYC VM, with 1 or 2 threads
     assert worst < 1e-4
     assert _wait_gone(pids, 1.0) == []

@@ -35,16 +35,33 @@ def test_fp32_onednn_prepacked_gemm_matches_f_linear_to_fp32_rounding(rows):
 
 @needs_mkl
 @needs_onednn
-def test_fp32_prepacking_keeps_the_library_timed_faster(monkeypatch):
+def test_the_tuning_step_keeps_the_library_timed_faster_per_shape_and_is_skippable(monkeypatch):
     seconds = {"mkl": 2.0, "onednn": 1.0}
-    monkeypatch.setattr(prepacked, "_chosen", {})
-    monkeypatch.setattr(prepacked, "_seconds_per_call", lambda packed, x: seconds[packed.library])
-    w = torch.randn(96, 64)
-    assert prepacked.PrepackedLinear(w, rows=8).library == "onednn"
-    assert prepacked.chosen_libraries() == {"float32 (96, 64) rows=8": "onednn"}
-    seconds.update(mkl=0.5)                                               # decided once per shape: kept
-    assert prepacked.PrepackedLinear(w, rows=8).library == "onednn"
-    assert prepacked.PrepackedLinear(torch.randn(32, 64), rows=8).library == "mkl"   # another shape: timed anew
+    timed = []
+    monkeypatch.setattr(prepacked, "seconds_per_call",
+                        lambda packed, x: timed.append(packed.library) or seconds[packed.library])
+    a, b, c = torch.randn(96, 64), torch.randn(96, 64), torch.randn(32, 64)
+    chosen = prepacked.choose_libraries([a, b, c, torch.randn(8, 8).bfloat16()], rows=8)
+    assert chosen == {"float32 (96, 64) rows=8": "onednn", "float32 (32, 64) rows=8": "onednn",
+                      "bfloat16 (8, 8) rows=8": "onednn"}          # bf16: oneDNN only, nothing to time
+    assert sorted(timed) == ["mkl", "mkl", "onednn", "onednn"]      # once per fp32 shape, not per weight
+    seconds.update(mkl=0.5)
+    assert prepacked.choose_libraries([a], rows=8) == {"float32 (96, 64) rows=8": "mkl"}   # nothing remembered
+    timed.clear()
+    assert prepacked.choose_libraries([a, c], rows=8, tune=False) == {"float32 (96, 64) rows=8": "mkl",
+                                                                      "float32 (32, 64) rows=8": "mkl"}
+    assert timed == []                                              # skipped: MKL, F.linear's bits, untimed
+
+
+@needs_mkl
+def test_an_engine_built_without_tuning_times_nothing_and_records_its_choice(monkeypatch):
+    monkeypatch.setattr(prepacked, "seconds_per_call", lambda packed, x: pytest.fail("timed"))
+    llm = tiny_llm(max_num_seqs=4, tune_kernels=False)
+    runner = llm.engine.runner
+    assert runner.gemm_libraries and set(runner.gemm_libraries.values()) == {"mkl"}
+    assert {p.library for layer in runner.packed_layers for p in layer} == {"mkl"}
+    with pytest.raises(ValueError, match="tune_kernels = 'no'; allowed: True or False"):
+        tiny_llm(tune_kernels="no")
 
 
 @needs_onednn
@@ -52,22 +69,21 @@ def test_fp32_prepacking_keeps_the_library_timed_faster(monkeypatch):
 def test_bf16_prepacked_gemm_matches_f_linear_to_bf16_rounding(rows):
     torch.manual_seed(0)
     w, x = torch.randn(96, 64).bfloat16(), torch.randn(rows, 64).bfloat16()
-    packed = prepacked.PrepackedLinear(w, rows=16)
-    assert packed.library == "onednn"
+    packed = prepacked.PrepackedLinear(w, rows=16, library="onednn")
     exact = x.float() @ w.float().t()                                     # (N, out) in fp32
     assert (packed(x).float() - exact).abs().max() <= 2 ** -7 * exact.abs().max()
 
 
 def test_what_cannot_be_prepacked_is_refused_clearly():
     with pytest.raises(ValueError, match="cannot prepack"):
-        prepacked.PrepackedLinear(torch.randn(4, 4, requires_grad=True), rows=4)
+        prepacked.PrepackedLinear(torch.randn(4, 4, requires_grad=True), rows=4, library="mkl")
     with pytest.raises(ValueError, match="cannot prepack"):
-        prepacked.PrepackedLinear(torch.randn(4, 4).to(torch.int8), rows=4)
+        prepacked.PrepackedLinear(torch.randn(4, 4).to(torch.int8), rows=4, library="mkl")
     with pytest.raises(ValueError, match="rows = 0"):
-        prepacked.PrepackedLinear(torch.randn(4, 4), rows=0)
+        prepacked.PrepackedLinear(torch.randn(4, 4), rows=0, library="mkl")
     with pytest.raises(ValueError, match="library = 'mkl' cannot prepack a torch.bfloat16"):
         prepacked.PrepackedLinear(torch.randn(4, 4).bfloat16(), rows=4, library="mkl")
-    assert prepacked.prepack_or_none(torch.nn.Linear(4, 4, bias=True), 4) is None   # bias: F.linear keeps it
+    assert prepacked.prepack_or_none(torch.nn.Linear(4, 4, bias=True), 4, {}) is None   # bias: F.linear keeps it
 
 
 def tiny_llm(dtype=torch.float32, **kwargs):

@@ -5,6 +5,7 @@ import torch
 
 from helpers import CharTokenizer
 from minillm import LLM, SamplingParams
+from minillm.output_processor import OutputProcessor
 from minillm.model import random_model, tiny_config
 from minillm.sampling import filtered_probs
 from minillm.speculative import (METHODS, ModelDraft, NgramDraft, SpecStats, Stepper, acceptance_probability, best_k,
@@ -77,6 +78,7 @@ class TinyLLM(LLM):
         self.device, self.model, self.tokenizer = torch.device("cpu"), model, CharTokenizer()
         self.max_model_len, self.attention_backend = 256, "sdpa"
         self.speculative_method = None           # the plain runner; speculative_stream is called directly
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
 
 
 tiny_llm = TinyLLM

@@ -133,7 +133,7 @@ def compare(base_llm, hf_fp32, dtype_name: str, batch: int, cfg: dict, probe=Non
     words = tokenizer.encode(" ".join(["the lighthouse keeper wrote a letter to the sea"] * 4))[:cfg["prompt_tokens"]]
     model = copy.deepcopy(base_llm.model).to(dtype)
     llm = LLM(model=model, tokenizer=tokenizer, device="cpu", max_num_seqs=batch)
-    unpacked = LLM(model=model, tokenizer=tokenizer, device="cpu", max_num_seqs=batch)
+    unpacked = LLM(model=model, tokenizer=tokenizer, device="cpu", max_num_seqs=batch, tune_kernels=False)
     unpacked.engine.runner.drop_prepacked()
     hf = copy.deepcopy(hf_fp32).to(dtype)
     n = cfg["new_tokens"]
@@ -183,6 +183,7 @@ def compare(base_llm, hf_fp32, dtype_name: str, batch: int, cfg: dict, probe=Non
            "engine_decode_step_ms": statistics.median(step_ms), "gemm_floor_ms": statistics.median(floors),
            "gemm_floor_share_of_step": statistics.median(floors) / statistics.median(step_ms),
            "same_tokens_packed_unpacked": tokens["engine"] == tokens["engine_unpacked"],
+           "gemm_libraries": llm.engine.runner.gemm_libraries,           # the build's tuning step chose these
            "requests_equal_to_hf_before_eos": sum(before_eos(a, eos) == b[:len(before_eos(a, eos))]
                                                   for a, b in zip(tokens["engine"], tokens["hf_batched"])) / batch}
     llm.close()
@@ -231,7 +232,7 @@ def run(quick: bool) -> dict:
                                                                   "gemm_floor_fraction_of_roofline")}
                for r in rows}
     summary["machine_rates"] = rates
-    summary["prepacked_libraries"] = prepacked.chosen_libraries()
+    summary["prepacked_libraries"] = {k: v for r in rows for k, v in r["gemm_libraries"].items()}
     summary["bf16_decode_attention"] = {f"B{b}": attention_times(b, cfg["prompt_tokens"] + cfg["new_tokens"],
                                                                  base.config) for b in cfg["batches"]}
     summary["bf16_decode_attention_long"] = {f"B{b}": attention_times(b, 128 if quick else 512, base.config)
