@@ -8,9 +8,10 @@ lose on maths, code or long-context retrieval. This benchmark scores the same mo
 quant.build with the same 4 x 512 calibration windows, so the perplexities equal results/quant-amd.json's
 up to the machine's float summation order) on four task-level metrics and on perplexity in the same run:
 
-    facts-mc      multiple choice by log-likelihood: 210 items of 6 families written for this repo
+    facts-mc      multiple choice by log-likelihood: items of 6 families written for this repo
                   (capitals, antonyms, categories, languages, chemical symbols, past tenses;
-                  minillm/data/quant_tasks.toml), the right answer against 3 distractors drawn (seeded)
+                  minillm/data/quant_tasks.toml: 210 pairs; a full run scores the first 20 of each
+                  family, 120 items, to fit a shared 2-core CPU), the right answer against 3 distractors drawn (seeded)
                   from the same family's answers. Chance: 25%. Also the mean log-likelihood margin
                   (right answer minus best distractor), which moves before the accuracy does.
     facts-greedy  the same prompts after two solved examples of the family (2-shot, so that the format
@@ -23,7 +24,7 @@ up to the machine's float summation order) on four task-level metrics and on per
                   newline with the next line's indentation, so a prompt ending in a bare newline token
                   is out of distribution); right when the output is that newline, the line, then a
                   newline (or end of sequence).
-    needle        retrieval in a ~1.3K-token prompt: 4 named 5-digit keys planted at random lines of
+    needle        retrieval in a ~1.07K-token prompt: 4 named 5-digit keys planted at random lines of
                   licence text (minillm/data), then the question for one of them; right when the
                   greedy answer's first number is that key.
 
@@ -48,6 +49,9 @@ from . import common
 NAME = "quant-tasks"
 ITEMS_FILE = Path(__file__).resolve().parents[1] / "data" / "quant_tasks.toml"
 KEYS = ("fp32", "int8", "int4-g128", "nf4", "gptq-4bit-g128", "awq-4bit-g128")     # quant.SPECS keys
+# Extra rows (add_rows): a quant.SPECS key calibrated on more windows than bench quant's 4, e.g. GPTQ on the
+# 32 windows LLM(quantization="gptq") uses (quant.LLM_CALIBRATION_WINDOWS)
+EXTRA = {"gptq-4bit-g128-calib32": ("gptq-4bit-g128", 32)}
 TASKS = ("facts-mc", "facts-greedy", "code-line", "needle")
 SEED = 0
 
@@ -57,7 +61,7 @@ def settings(quick: bool) -> dict:
         return dict(eval_windows=1, window=128, calib_windows=2, calib_window=128, keys=("fp32", "int4-g128"),
                     facts_per_family=4, code_items=6, needles=2, needle_filler=200)
     return dict(eval_windows=8, window=512, calib_windows=4, calib_window=512, keys=KEYS,
-                facts_per_family=None, code_items=60, needles=10, needle_filler=1000)
+                facts_per_family=20, code_items=48, needles=6, needle_filler=1000)
 
 
 # ---- item sets ------------------------------------------------------------------------------------
@@ -292,7 +296,9 @@ def summarise(rows: list[dict], scores: dict) -> dict:
             "items": {task: len(scores["fp32"][task]) for task in TASKS}}
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, json_path: str | None = None) -> dict:
+    """json_path (the CLI's --json): the document is rewritten there after every model, so that a long run
+    can be inspected or salvaged while it is still going (summary.complete says whether it finished)."""
     from ..llm import LLM
     from ..quant import calibration_windows
     from .quant import build, measure
@@ -319,11 +325,60 @@ def run(quick: bool) -> dict:
         rows.append(row)
         print(common.format_table([row]), flush=True)
         del model
+        doc = _document(cfg, quick, items, rows, scores, t_start, complete=len(rows) == len(cfg["keys"]))
+        if json_path:
+            common.write_json(doc, json_path)
     llm.model = base
+    return doc
+
+
+def add_rows(json_path: str, keys=tuple(EXTRA)) -> dict:
+    """Score the EXTRA models on the same items and add them to a finished run's document at json_path
+    (rewritten; summary.added lists them). Each is quant.build's model of its SPECS key, calibrated on
+    its own number of calibration_text() windows."""
+    import json
+
+    from ..llm import LLM
+    from ..quant import calibration_windows
+    from .quant import build, measure
+
+    doc = json.loads(Path(json_path).read_text())
+    cfg = {k: v for k, v in doc["config"].items() if k in settings(False)}
+    quick = doc["config"]["quick"]
+    t_added = time.perf_counter()
+    llm = LLM(model="smollm2", dtype="float32", device="cpu")
+    base, tokenizer = llm.model, llm.get_tokenizer()
+    items = build_items(tokenizer, cfg)
+    rows = doc["results"]
+    scores = {k: {t: [bool(x) for x in v[t]] for t in TASKS} for k, v in doc["summary"]["per_item"].items()}
+    margins = {r["method"]: r["facts-mc_margin"] for r in rows}
+    for key in keys:
+        spec_key, windows = EXTRA[key]
+        ids = calibration_windows(tokenizer, windows, cfg["calib_window"])
+        model, quant_s = build(base, spec_key, ids)
+        t0 = time.perf_counter()
+        row = {"method": key, **measure(llm, model, cfg)}
+        per_item = score_model(llm, items)
+        scores[key] = {t: per_item[t] for t in TASKS}
+        row.update({f"{t}_acc": accuracy(per_item[t]) for t in TASKS})
+        row["facts-mc_margin"] = sum(per_item["facts-mc-margin"]) / len(per_item["facts-mc-margin"])
+        row["calib_windows"], row["quantize_s"], row["score_s"] = windows, quant_s, time.perf_counter() - t0
+        rows = [r for r in rows if r["method"] != key] + [row]
+        margins[key] = row["facts-mc_margin"]
+        print(common.format_table([row]), flush=True)
+    new = _document(cfg, quick, items, rows, scores, t_added, complete=doc["summary"]["complete"])
+    new["machine"] = doc["machine"]
+    new["summary"]["added"] = {"rows": list(keys), "machine": common.machine_info(), "wall_s": new["summary"]["wall_s"]}
+    new["summary"]["wall_s"] = doc["summary"]["wall_s"]                  # the main run's
+    common.write_json(new, json_path)
+    return new
+
+
+def _document(cfg, quick, items, rows, scores, t_start, complete: bool) -> dict:
     summary = summarise(rows, scores)
     summary["per_item"] = {key: {task: [int(x) for x in s[task]] for task in TASKS} for key, s in scores.items()}
     summary["per_family_acc"] = {key: _per_family(items, s) for key, s in scores.items()}
-    summary["wall_s"] = time.perf_counter() - t_start
+    summary["wall_s"], summary["complete"] = time.perf_counter() - t_start, complete
     return common.document(NAME, _config(cfg, quick, items), rows, summary)
 
 

@@ -143,9 +143,15 @@ print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
 ("md", r"""
 ## 6. Why a faster GPU is not a faster decoder
 
+From A100 to H100 the FLOP/s grow 3.17x and the bandwidth 1.64x[^h100-a100]. What an H100 does add for decode is FP8:
+one-byte weights halve the bytes, so Llama-3-8B's bound on an H100 goes from 223.2 to 446.4 tok/s[^fp8]; lesson 01's
+interview card has the rest.
+
 Decode tokens/s at batch 1 is bounded by bandwidth / bytes. For a 7B model in fp16 (14 GB[^7b]):
 
 [^7b]: counted by minillm.roofline: 7e9 * 2 / 1e9
+[^h100-a100]: counted by minillm.roofline: GPUS["H100 SXM"]["flops"] / GPUS["A100 80GB"]["flops"]; GPUS["H100 SXM"]["bandwidth"] / GPUS["A100 80GB"]["bandwidth"]
+[^fp8]: counted by minillm.roofline: 1 / decode_step_seconds(LLAMA3_8B, "H100 SXM", 2); 1 / decode_step_seconds(LLAMA3_8B, "H100 SXM", 1)
 """),
 ("code", r"""
 base = roofline.GPUS["A100 80GB"]

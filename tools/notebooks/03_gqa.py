@@ -50,6 +50,9 @@ for hq, hkv in [(9, 9), (9, 3), (9, 1)]:
 """),
 ("md", r"""
 ## 2. KV bytes per token (fp16) as MHA, as shipped, as MQA
+
+Llama-2-7B ships as MHA, so its first two columns agree: of the Llama 2 models only the 70B (and the unreleased 34B)
+use GQA (Llama 2 paper, arXiv 2307.09288, §2.2 and Table 1), whatever the source article says (lesson 03's card).
 """),
 ("code", r"""
 for r in kv_table():

@@ -135,6 +135,12 @@ with torch.no_grad():
 
 s = mean|x|^α per input channel; α = 0 is plain RTN. The loss is the attention block's output error
 with fake-quantised q, k, v. The chosen α can only be better than RTN on the calibration data.
+
+AWQ does *not* keep the top 1% of weights in fp16 (the myth the article repeats): that is the paper's motivating
+experiment (arXiv 2306.00978, section 2.1), rejected as hardware-unfriendly[^nb-awq-s21]. The method scales the salient input
+channels, folds 1/s into the previous layer and stores every weight in int4, which is what this cell does.
+
+[^nb-awq-s21]: published: Lin et al., AWQ (arXiv 2306.00978), Section 2.1 "Improving LLM Quantization by Preserving 1% Salient Weights" (keeping 0.1%-1% of the channels in FP16; "such a mixed-precision data type will make the system implementation difficult") and Section 2.2 (per-channel scaling instead)
 """),
 ("code", r"""
 with torch.no_grad():
@@ -179,7 +185,8 @@ with torch.no_grad():
 ## 6. The measured table (`python -m minillm bench quant`)
 
 Perplexity on the evaluation text (never used for calibration), bits per parameter of the linear layers
-(scales included), decode tokens/s on this CPU. Baseline caveat: "fp32" is the Q4_1 GGUF dequantised.
+(scales included), decode tokens/s on this CPU. Baseline caveat: "fp32" is the Q4_1 GGUF dequantised, so every 4-bit row re-quantises weights that were already
+on a 4-bit grid: a second rounding, which makes int4 RTN's loss here far larger than a 7B model's (lesson 04).
 """),
 ("code", r"""
 path = Path("../results/quant.json")
@@ -227,7 +234,9 @@ else:
 
 Dequantise inside the matmul tile loop so that only 4-bit codes cross the memory bus. On CPU the
 PyTorch twin (same tiling) shows the arithmetic; on a GPU the Triton kernels run (the split-K GEMV at
-batch 1, tensor cores at 16) and are timed with CUDA events after an L2 flush.
+batch 1, tensor cores at 16) and are timed with CUDA events after an L2 flush. Lesson 04 counts the GEMV's instruction budget on an H200: the
+compiled loop issues more instructions per weight than the SMs can issue while HBM streams the weights, so even a
+perfect run reaches only part of the bandwidth (`roofline.gemv_instruction_budget`).
 """),
 ("code", r"""
 from minillm.quant.w4a16 import w4a16_matmul_torch, operands

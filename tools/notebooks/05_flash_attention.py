@@ -197,7 +197,9 @@ absorbs much of the K/V re-reading, so measured traffic is lower still.
 ## 5. Backward: training works
 
 The forward saves only q, k, v, o and the LSE (N floats per head). The backward rebuilds each tile of
-P = exp(S - LSE) from them. Gradients against autograd through naive attention (fp32), and what
+P = exp(S - LSE) from them. That is not checkpointing's trade of time for memory: the FlashAttention paper
+(arXiv 2205.14135, section 3.1 and Fig. 2) finds this backward *faster* than the standard one despite the extra
+FLOPs, because S, P, dP and dS never travel through HBM (lesson 05, section 4). Gradients against autograd through naive attention (fp32), and what
 each version keeps alive between forward and backward:
 """),
 ("code", r"""
@@ -255,7 +257,8 @@ else:
   The result is exact, not an approximation (section 1, section 2).
 - Memory: naive needs ~2.3 N^2 floats at its peak[^peak-again]; the tiled version needs O(N D) plus one tile (section 3).
 - IO: S and P never touch HBM; the remaining traffic is K/V re-reads, N^2 D / block_m (section 4).
-- Training: the backward recomputes P tile by tile from the saved LSE (section 5).
+- Training: the backward recomputes P tile by tile from the saved LSE (section 5); per the paper that makes it
+  faster than the standard backward, not slower, so it is not a memory-for-time trade.
 
 [^peak-again]: measured in results/flash-attention.json: summary.naive_peak_mib_at_8192 / (8192 ** 2 * 4 / 2 ** 20)
 """),

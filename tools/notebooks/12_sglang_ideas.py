@@ -185,9 +185,11 @@ for jump in (False, True):
 ("md", r"""
 ## What to take away
 
-- At the same block size a hash chain and a radix tree find the same prefix hits; the tree keeps one copy of a
-  prefix that concurrent requests computed side by side, which is memory (and so concurrency) under load.
-- Structured output is a DFA over bytes lifted to tokens: the per-step cost is a cached mask; compiling a new
-  schema is what costs (seconds). Jump-forward turns the text a schema fixes into prefill-like chunks.
+- At the same block size a hash chain and a radix tree find the same prefix hits; this tree (like SGLang's) keeps
+  one copy of a prefix that concurrent requests computed side by side, which is memory (and so concurrency) under
+  load. That is how it is implemented, not a property of the index: a hash index could share duplicates too.
+- Structured output is a DFA over bytes lifted to tokens: on this CPU the per-step cost is a cached mask and
+  compiling a new schema is what costs (seconds). On a GPU a decode step takes milliseconds and a mask over a
+  128K vocabulary can take as long, which is why xgrammar overlaps the mask with the GPU's forward (lesson 12). Jump-forward turns the text a schema fixes into prefill-like chunks.
 """),
 ]
