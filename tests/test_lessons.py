@@ -162,3 +162,20 @@ def test_code_blocks_spans_and_links_are_not_prose(tmp_path):
         speed = 61.9 tok/s
         ```
         """) == []
+
+
+CARD = {"en": ("## Interview card", ["### 30-second answers", "### Follow-ups at GPU scale",
+                                     "### The article says X; the truth is Y", "### Does it transfer to a GPU?"]),
+        "zh": ("## 面试卡片", ["### 30 秒回答", "### GPU 规模的追问", "### 原文说 X；实际是 Y", "### 能否迁移到 GPU？"])}
+LESSONS = [("en", p) for p in sorted((ROOT / "lessons").glob("[0-9][0-9]-*.md"))] + \
+          [("zh", p) for p in sorted((ROOT / "lessons" / "zh").glob("[0-9][0-9]-*.md"))]
+
+
+@pytest.mark.parametrize("lang,path", LESSONS, ids=[str(p.relative_to(ROOT)) for _, p in LESSONS])
+def test_every_lesson_opens_with_its_interview_card(lang, path):
+    """The card is the first ## section, with its four parts in order and nothing else between them."""
+    title, parts = CARD[lang]
+    heads = [line.strip() for line in path.read_text().splitlines() if line.startswith("## ") or line.startswith("### ")]
+    first = next(i for i, h in enumerate(heads) if h.startswith("## "))
+    assert heads[first] == title
+    assert heads[first + 1:first + 1 + len(parts)] == parts
