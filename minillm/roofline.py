@@ -262,10 +262,10 @@ def measure_gemm_rates(n: int = 2048, dtype=torch.float32, repeats: int = 5) -> 
 # context, so it multiplies the step's FLOPs by 1 + k but reads each request's KV only once: the KV bytes,
 # which grow with batch x context, are paid by plain and speculative steps alike.
 
-def expected_accepted_tokens(alpha: float, k: int) -> float:
+def expected_tokens_per_call(alpha: float, k: int) -> float:
     """Tokens one request gets from one verification of k drafts, each accepted with probability alpha
     (Leviathan et al. 2023): 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha)."""
-    return k + 1.0 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 def speculative_step_seconds(cfg: ModelConfig, gpu: str, bytes_per_param: float, batch: int, context: int,
@@ -284,7 +284,7 @@ def speculative_roofline_speedup(cfg: ModelConfig, gpu: str, bytes_per_param: fl
     """Throughput with k drafts per request over plain decoding at `batch` requests of `context` tokens:
     E(alpha, k) tokens per request-step, for speculative_step_seconds instead of decode_step_seconds."""
     plain = speculative_step_seconds(cfg, gpu, bytes_per_param, batch, context, 0)
-    return expected_accepted_tokens(alpha, k) * plain / speculative_step_seconds(cfg, gpu, bytes_per_param,
+    return expected_tokens_per_call(alpha, k) * plain / speculative_step_seconds(cfg, gpu, bytes_per_param,
                                                                                batch, context, k)
 
 
@@ -300,7 +300,7 @@ def speculative_crossover_batch(cfg: ModelConfig, gpu: str, bytes_per_param: flo
     When E R m >= (1 + k) F the KV traffic keeps even the speculative step memory-bound at every batch:
     speculation pays E at any batch (until memory runs out: max_sequences)."""
     ridge = ridge_point(gpu)
-    e = expected_accepted_tokens(alpha, k)
+    e = expected_tokens_per_call(alpha, k)
     weights = decode_bytes_per_step(cfg, bytes_per_param, context, 0)
     per_request = decode_bytes_per_step(cfg, bytes_per_param, context, 1) - weights
     margin = (1 + k) * decode_flops_per_token(cfg, context) - e * ridge * per_request
@@ -316,7 +316,7 @@ def speculation_always_pays_context(cfg: ModelConfig, gpu: str, bytes_per_param:
     drafting free). The crossover's denominator (1 + k) F(L) - E R m(L) is linear in the context L:
     F(L) = F0 + f L, m(L) = m0 + kv L, so it changes sign at L = ((1 + k) F0 - E R m0) / (E R kv - (1 + k) f);
     math.inf if it never does (0 if it is never positive)."""
-    ridge, e = ridge_point(gpu), expected_accepted_tokens(alpha, k)
+    ridge, e = ridge_point(gpu), expected_tokens_per_call(alpha, k)
 
     def per_request(context: int) -> float:
         return (decode_bytes_per_step(cfg, bytes_per_param, context, 1)
@@ -339,7 +339,7 @@ W4A16_G128_BITS = 4 + (16 + 8) / 128     # int4 codes + an fp16 scale and an 8-b
 
 
 def boost_clock_hz(chip: dict = HOPPER_SXM) -> float:
-    """The clock the published FP32 peak assumes: one FMA (2 FLOPs) per FP32 core per clock (1.98 GHz)."""
+    """The clock the published FP32 peak assumes: one FMA (2 FLOPs) per FP32 core per clock."""
     return chip["fp32_flops"] / (2 * chip["fp32_cores"])
 
 

@@ -46,6 +46,7 @@ from .fast_decode import can_compile_step, forward_fast, forward_verify, fuse_pr
 from .kv_cache import KVCache, forward_cached
 from .model import Llama
 from .positions import RopeTable
+from .roofline import expected_tokens_per_call
 from .sampling import SamplingParams, filtered_probs
 
 METHODS = ("draft", "layerskip", "ngram")
@@ -111,11 +112,6 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, targ
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """alpha = sum_x min(p(x), q(x)): the chance one drafted token is accepted. p, q (..., V)."""
     return torch.minimum(p, q).sum(-1)
-
-
-def expected_tokens_per_call(alpha: float, k: int) -> float:
-    """1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha): tokens one target call yields."""
-    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 def expected_speedup(alpha: float, k: int, cost_ratio: float, verify_cost: float = 1.0) -> float:

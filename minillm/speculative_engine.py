@@ -51,7 +51,8 @@ def roofline_speedup(alpha: float, k: int, batch: int, ridge_tokens: float) -> f
 
 def crossover_batch(alpha: float, k: int, ridge_tokens: float) -> float:
     """The batch size where roofline_speedup falls to 1: ridge_tokens * E(alpha, k) / (1 + k).
-    Below it the drafts ride in the step's spare arithmetic; above it each rejected draft is paid."""
+    Below it the drafts ride in the step's spare arithmetic; above it each rejected draft is paid. No KV
+    bytes in it: roofline.speculative_crossover_batch adds them (at real contexts the crossover moves out)."""
     return ridge_tokens * expected_tokens_per_call(alpha, k) / (1 + k)
 
 

@@ -163,12 +163,12 @@ def test_gemm_rates_time_torch_and_every_prepacking_library(monkeypatch):
 def test_speculative_crossover_with_the_kv_cache_against_a_hand_count():
     """Lesson 08 §4: the speculative step does (1 + k) x the FLOPs and reads the same bytes (weights once,
     each request's KV once), so the crossover B = E W R / ((1 + k) F - E R m) moves out with the context."""
-    from minillm.roofline import (expected_accepted_tokens, speculation_always_pays_context,
+    from minillm.roofline import (expected_tokens_per_call, speculation_always_pays_context,
                                   speculative_crossover_batch, speculative_roofline_speedup)
     from minillm.speculative_engine import crossover_batch
 
     e = (1 - 0.8 ** 5) / 0.2                                                  # 3.36 tokens per verification
-    assert expected_accepted_tokens(0.8, 4) == pytest.approx(e) and expected_accepted_tokens(1.0, 4) == 5
+    assert expected_tokens_per_call(0.8, 4) == pytest.approx(e) and expected_tokens_per_call(1.0, 4) == 5
     # Llama-2-7B (MHA), bf16, H200, 128 cached tokens, by hand from the config: shared weights (the
     # untied input embedding only gathered), per request its KV and its embedding row, FLOPs per token.
     c, ridge = LLAMA2_7B, 989e12 / 4.8e12
