@@ -98,11 +98,6 @@ def run(quick: bool) -> dict:
         summary[f"cached_tok_s_{dtype_name}"] = row["cached_tok_s"]
         del model, probe
     summary["bandwidth_over_time"] = bandwidth_over_time(10 if quick else 40)
-    gpus = {name: {"ridge_flop_per_byte": g["flops"] / g["bandwidth"],
-                   "smollm2_bf16_bound_tok_s": g["bandwidth"] / (results[1]["weight_MB"] * 1e6),
-                   "llama7b_fp16_bound_tok_s": g["bandwidth"] / 14e9}
-            for name, g in roofline.GPUS.items()}
-    summary["gpus"] = gpus
     config = {"prompt_len": prompt_len, "new_tokens": new_tokens, "batch": 1, "greedy": True,
               "repeats": repeats, "time": time.strftime("%Y-%m-%d %H:%M")}
     return document(NAME, config, results, summary)
