@@ -97,7 +97,8 @@ class Engine:
         if getattr(llm, "parallel", None) is None:
             self.kv = PagedKVCache(cfg, num_kv_blocks, block_size, dtype, llm.device, kv_cache_dtype)
             self.runner = ModelRunner(llm.model, self.kv, llm.rope, prepack_rows=max_num_seqs,
-                                      triton_on_cpu=triton_on_cpu, tune_kernels=tune_kernels)
+                                      triton_on_cpu=triton_on_cpu, tune_kernels=tune_kernels, compile_decode=True,
+                                      attention_backend=llm.attention_backend)
             if not enforce_eager and speculation is None:     # drafts make multi-token rows: eager
                 self.runner.graphs = make_decode_graphs(self.runner, max_num_seqs,
                                                         math.ceil(llm.max_model_len / block_size))

@@ -60,46 +60,27 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import transforms
 from .kv_cache import KVCache
+from .layer import compiler_errors
 from .model import Llama, attention_function, check_attention_backend
 from .positions import RopeTable, apply_rope, apply_rope_complex
 
 
 def fuse_projections(model: Llama) -> Llama:
-    """Add attn.wqkv and ffn.w_gate_up (in place); wq/wk/wv/w_gate/w_up become views of them."""
-    for layer in model.layers:
-        attn, ffn = layer.attn, layer.ffn
-        if hasattr(attn, "wqkv") and _backs(attn.wqkv, (attn.wq, attn.wk, attn.wv)) \
-                and _backs(ffn.w_gate_up, (ffn.w_gate, ffn.w_up)):
-            continue                     # fused already (a deepcopy, in contrast, leaves stale copies: fuse again)
-        if not all(type(m) is nn.Linear for m in (attn.wq, attn.wk, attn.wv, ffn.w_gate, ffn.w_up)):
-            raise ValueError("fuse_projections needs plain nn.Linear projections (not quantised ones)")
-        attn.wqkv = _fuse([attn.wq, attn.wk, attn.wv])
-        ffn.w_gate_up = _fuse([ffn.w_gate, ffn.w_up])
-    is_fused(model)                                                       # takes the decode-weights snapshot
+    """transforms.fuse_projections (item 1), then is_fused's decode-weights snapshot for item 6."""
+    transforms.fuse_projections(model)
+    is_fused(model)
     return model
 
 
-def _backs(fused: nn.Module, parts) -> bool:
-    """The fused Linear's storage is the one its parts' weights view."""
-    storage = fused.weight.untyped_storage().data_ptr()
-    return all(type(p) is nn.Linear and p.weight.untyped_storage().data_ptr() == storage for p in parts)
-
-
 def is_fused(model: Llama) -> bool:
-    """True while every fused matrix still backs the modules the baseline uses (quantising or
-    replacing a projection after fusing makes this False, and the fast path must not be used).
-    Also re-takes model._decode_weights, the per-layer weights the compiled decode step reads
-    (item 6): every caller of forward_fast checks is_fused once per sequence, so a projection
-    replaced after fusing is seen before the next one."""
+    """transforms.is_fused, and (NEW in this stage) re-takes model._decode_weights, the per-layer
+    weights the compiled decode step reads (item 6): every caller of forward_fast checks is_fused
+    once per sequence, so a projection replaced after fusing is seen before the next one."""
     model._decode_weights = None
-    for layer in model.layers:
-        attn, ffn = layer.attn, layer.ffn
-        if not hasattr(attn, "wqkv") or not hasattr(ffn, "w_gate_up"):
-            return False
-        for fused, parts in ((attn.wqkv, (attn.wq, attn.wk, attn.wv)), (ffn.w_gate_up, (ffn.w_gate, ffn.w_up))):
-            if type(fused) is not nn.Linear or not _backs(fused, parts):
-                return False
+    if not transforms.is_fused(model):
+        return False
     model._decode_weights = _decode_weights(model)
     return True
 
@@ -155,24 +136,6 @@ def quantized_step_ready(model: Llama) -> bool:
     return cached[1] is not None
 
 
-def _fuse(linears: list[nn.Linear]) -> nn.Linear:
-    weight = torch.cat([l.weight.data for l in linears])                  # (sum out, in)
-    bias = None if linears[0].bias is None else torch.cat([l.bias.data for l in linears])
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
-                      device="meta", dtype=weight.dtype)
-    fused.weight = nn.Parameter(weight, requires_grad=False)
-    if bias is not None:
-        fused.bias = nn.Parameter(bias, requires_grad=False)
-    row = 0
-    for l in linears:                                                     # re-point: views, no copy
-        n = l.out_features
-        l.weight = nn.Parameter(weight[row:row + n], requires_grad=False)
-        if bias is not None:
-            l.bias = nn.Parameter(bias[row:row + n], requires_grad=False)
-        row += n
-    return fused
-
-
 GEMV_MODES = ("auto", "compiled", "mv", "linear")
 
 
@@ -190,20 +153,6 @@ _compiled_dot = torch.compile(_rowwise_dot)
 _compiler_broken: str | None = None      # why compiling is unavailable; process-wide: the toolchain is the machine's
 
 
-def _compiler_errors() -> tuple[type[BaseException], ...]:
-    """What torch.compile raises when IT fails (tracing, lowering, building the C++), as opposed to
-    an error of the code it runs. Looked up by name: the classes move between torch versions
-    (InductorError is 2.7+); TorchDynamoException covers BackendCompilerFailed, Unsupported,
-    TorchRuntimeError and InternalTorchDynamoError."""
-    import torch._dynamo.exc as dynamo_exc
-    import torch._inductor.exc as inductor_exc
-
-    found = [getattr(dynamo_exc, "TorchDynamoException", None)]
-    found += [getattr(inductor_exc, name, None)
-              for name in ("InductorError", "LoweringException", "CppCompileError", "InvalidCxxCompiler")]
-    return tuple(e for e in found if e is not None)
-
-
 def _run_compiled(compiled, eager, *args):
     """compiled(*args); where torch.compile cannot build (no C++ compiler), warn once and from
     then on run eager(*args): the same math, unfused."""
@@ -211,7 +160,7 @@ def _run_compiled(compiled, eager, *args):
     if _compiler_broken is None:
         try:
             return compiled(*args)
-        except _compiler_errors() as e:                                   # any other error is the step's own
+        except compiler_errors() as e:                                   # any other error is the step's own
             _compiler_broken = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
             warnings.warn(f"torch.compile could not build the CPU decode kernels ({_compiler_broken}); "
                           "running them eagerly")

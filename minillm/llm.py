@@ -4,8 +4,9 @@
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     outs[0].outputs[0].text
 
-This file owns the request life cycle (validation, tokenising, stop conditions, detokenising,
-logprobs, metrics). Which forward pass produces the logits is the runner's business.
+This file is the front end: it validates and tokenises, then hands every request to the one
+engine (minillm/engine.py), one prompt or many, generate, stream or chat alike. The engine
+schedules, runs the model and, through the output processor, samples and detokenises.
 """
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ from typing import Iterator
 
 import torch
 
-from .fast_decode import forward_fast, forward_quantized, fuse_projections, is_fused, quantized_step_ready
-from .kv_cache import KVCache, forward_cached
+from .transforms import fuse_projections
 from .block_manager import check_prefix_cache
 from .cuda_graphs import check_enforce_eager
 from .engine import Engine, check_engine_args
@@ -52,7 +52,7 @@ class LLM:
         "radix" (SGLang's radix tree); "radix" without enable_prefix_caching is refused.
         tensor_parallel_size / pipeline_parallel_size > 1: the model is split over that many
         processes (minillm/parallel, lesson 11), started here and stopped by close().
-        speculative_method with several requests: drafts are verified inside the batching engine;
+        speculative_method: drafts are proposed and verified inside the engine's steps, for one request or many;
         speculative_policy "adaptive" gives each request as many drafts as pay at the step's batch
         size (minillm/speculative_engine.py), "always" num_speculative_tokens every step.
         enforce_eager: False (vLLM's default) replays a CUDA graph for every decode-only step on a GPU
@@ -77,13 +77,14 @@ class LLM:
             check_args(speculative_method, num_speculative_tokens)
             check_policy(speculative_policy)
         self.speculative_policy = speculative_policy
-        # the batch-1 path's totals (the engine keeps its own: llm.engine.speculation)
-        self.speculative_counts = dict(drafted=0, accepted=0, target_calls=0)
         self.speculative_method = speculative_method
         self.num_speculative_tokens = num_speculative_tokens
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len = {max_model_len!r} is invalid; allowed: an integer >= 2")
         self.attention_backend = check_attention_backend(attention_backend)
+        if mode is not None and attention_backend != "sdpa":
+            raise ValueError(f"attention_backend = {attention_backend!r} with tensor/pipeline parallelism is not "
+                             f"supported; allowed with it: 'sdpa' (the worker processes attend with it)")
         self.device = resolve_device(device)
         if isinstance(model, Llama):
             if tokenizer is None:
@@ -220,84 +221,29 @@ class LLM:
             check_jump_forward(self.tokenizer)
         return GuideState(compile_guide(guided, self.tokenizer, self.config.vocab_size), guided.jump_forward)
 
-    # ---- one request at a time over a contiguous KV cache: the reference for the engine, ------
-    # ---- and the path speculative decoding runs on ------------------------------------------
-
-    @torch.no_grad()
-    def stream_request(self, req: Request) -> Iterator[str]:
-        """Run one request to completion, yielding its new visible text after every token."""
-        if self.speculative_method is not None:
-            from .speculative import SpecStats, speculative_stream
-            stats = SpecStats()
-            try:
-                yield from speculative_stream(self, req, self.speculative_method, self.num_speculative_tokens, stats)
-            finally:                                  # counted also when the consumer stops early
-                for name in self.speculative_counts:
-                    self.speculative_counts[name] += getattr(stats, name)
-            return
-        room = min(self.max_model_len, len(req.prompt_token_ids) + req.params.max_tokens)
-        cache = KVCache(self.config, 1, room, self.model.embed.weight.dtype, self.device)
-        if is_fused(self.model):
-            step = lambda t: forward_fast(self.model, t, cache, self.rope, self.attention_backend)  # noqa: E731
-        elif quantized_step_ready(self.model):
-            step = lambda t: forward_quantized(self.model, t, cache, self.rope)  # noqa: E731
-        else:
-            step = lambda t: forward_cached(self.model, t, cache)  # noqa: E731
-        prompt = torch.tensor([req.prompt_token_ids], device=self.device)     # (1, T)
-        if req.params.prompt_logprobs is not None:
-            logits = forward_cached(self.model, prompt, cache, all_logits=True)[0]  # (T, V)
-            self.output_processor.set_prompt_logprobs(req, logits)
-            logits = logits[-1]
-        else:
-            logits = step(prompt)[0]                                          # (V,)
-        computed = len(req.prompt_token_ids)
-        while True:
-            yield self.output_processor.append(req, logits)
-            if req.finished:
-                return
-            new = req.all_token_ids[computed:]        # the sampled token (+ any jump-forward tokens)
-            computed += len(new)
-            logits = step(prompt.new_tensor([new]))[0]                        # (V,) after the last of them
-
     # ---- public API -------------------------------------------------------------------------
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion. Requests go through the continuous batching engine
-        together (with speculative decoding too: drafts are verified in the batch), except a lone
-        request that needs nothing the engine adds (prefix caching, an int8 KV cache): it runs on
-        the contiguous cache, the batch-1 fast path of lesson 02 (no paging, gathering or masks),
-        and speculates there (minillm/speculative.py) if speculative_method is set."""
+        """Run every prompt to completion through the continuous batching engine (one prompt is a
+        batch of one; with speculative_method set, drafts are verified inside the engine's steps)."""
         requests = self.make_requests(prompts, sampling_params)
         from tqdm.auto import tqdm
 
-        contiguous = len(requests) == 1 and self._contiguous_fits()
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
-            if not contiguous:
-                self.engine.run(requests, progress=bar)
-            else:
-                for req in requests:
-                    for _ in self.stream_request(req):
-                        pass
-                    bar.update(1)
+            self.engine.run(requests, progress=bar)
         return [self.output_processor.to_output(r) for r in requests]
-
-    def _contiguous_fits(self) -> bool:
-        """A request may run on the contiguous batch-1 path: one process, no prefix cache, model-dtype KV."""
-        args = self.engine_args
-        return self.parallel is None and not args["enable_prefix_caching"] and args["kv_cache_dtype"] == "auto"
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one request piece by piece as tokens are generated."""
         (req,) = self.make_requests([prompt], sampling_params)
-        if self.speculative_method is not None and self._contiguous_fits():
-            deltas = self.stream_request(req)
-        else:
-            deltas = self._stream_engine(req)
-        for delta in deltas:
+        for delta in self.stream_request(req):
             if delta:
                 yield delta
 
-    def _stream_engine(self, req: Request) -> Iterator[str]:
+    @torch.no_grad()
+    def stream_request(self, req: Request) -> Iterator[str]:
+        """Run one request from make_requests through the engine, yielding its new visible text after
+        every step that gave it tokens (possibly ""); stopping early aborts it and frees its blocks."""
         engine = self.engine
         engine.add_request(req)
         try:

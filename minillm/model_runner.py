@@ -9,37 +9,39 @@ concatenates them all into ONE flat sequence of N tokens, so every linear layer 
     positions     (N,)   each token's position in its own request (for RoPE)
     slot_mapping  (N,)   where its K/V goes in the paged cache (minillm/block_manager.py)
 
-Only attention needs to know where one request ends and the next begins:
-- decode rows (one new token each) attend together: on a GPU the Triton kernel walks each
-  block table (kernels/paged_attention.py); on CPU, in groups of rows of similar length so
-  that short requests are not padded to the longest one (group_by_length), by a compiled
-  kernel that reads each request's blocks straight from the cache
-  (paged_attention.decode_attention_fused, NEW: fused decode attention); where compiling is
-  unavailable, and for an int8/fp8 cache or speculative runs, we copy each request's blocks
-  (whole blocks, into one buffer reused by every layer) into a padded (Bg, L_pad, Hkv, D)
-  batch and run torch's SDPA with a padding mask;
-- a prefill chunk of T tokens after `start` cached ones attends to start + T keys, causally
-  with an offset (query t sees keys 0..start + t).
-On CPU a bf16/fp16 model attends in fp32 (sdpa): torch's 2-byte CPU SDPA kernel is slower than
-converting q, K and V to fp32 and running the fp32 one (bench engine-step measures both; lesson 07).
+Every layer is layer.decoder_layer, written once; only attention needs to know where one request
+ends and the next begins, and that is the attention backend's business (minillm/attention.py: the
+Triton kernels on a GPU, a compiled kernel that reads each request's blocks in place on CPU, gather
++ SDPA for an int8/fp8 cache), reading the step's metadata built here once (build_batch):
+- decode rows (one new token each) attend together: on CPU in groups of rows of similar length, so
+  that short requests are not padded to the longest one (group_by_length);
+- a prefill chunk of T tokens after `start` cached ones attends to start + T keys, causally with an
+  offset (query t sees keys 0..start + t).
 
-Compared with forward_fast (the contiguous batch-1 path) what is new is marked  # NEW: paged.
-A step whose every row is one decode token replays a CUDA graph on a GPU (minillm/cuda_graphs.py).
+How the layer runs is chosen once, here, from what the model is: its weights prepacked for the CPU
+GEMM libraries, int8/int4 packs for a quantised model, the module itself otherwise (eager_weights);
+a step whose only row is one decode token runs the same layer under torch.compile
+(layer.compiled_decode_layer, NEW: compiled decode step); on a GPU a step whose every row is one
+decode token replays a CUDA graph (minillm/cuda_graphs.py).
 """
 from __future__ import annotations
 
+import functools
 import math
+import time
+import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from . import fast_decode, prepacked
+from . import prepacked
 from .kernel_args import INTERPRETED
-from .fast_decode import is_fused, linear, lm_head, rms_norm
+from .attention import Run, choose_backend, make_backend
+from .layer import DECODE_BUILDS, compiled_rowwise_dot, compiler_errors, decoder_layer, paged_decode_layer
 from .model import Llama, ModelConfig
-from .paged_attention import block_table_tensor, copy_blocks, decode_attention_fused, gather_kv, store_kv_reference
-from .positions import RopeTable, apply_rope_complex, causal_mask
+from .paged_attention import block_table_tensor, copy_blocks, gather_kv, store_kv_reference
+from .positions import RopeTable, apply_rope_complex
+from .transforms import is_fused
 
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
@@ -157,8 +159,8 @@ class PagedBatch:
     decode_tables: torch.Tensor    # (Bd, max_blocks) int32 block tables, for the GPU kernel
     decode_lens: torch.Tensor      # (Bd,) int32 keys per decode row, for the GPU kernel
     decode_groups: list            # [DecodeGroup], for the CPU path
-    prefills: list                 # [(row_start, T, start, block_table (1, n) int32, mask (T, start+T) or None)]
-    grouped_runs: list             # [(row_start, T, start, block table)] runs of T > 1 inside decode_groups
+    prefills: list                 # [attention.Run] with blocks (1, n) int32: runs attended one by one
+    grouped_runs: list             # [attention.Run] runs of T > 1 inside decode_groups (speculative drafts)
 
 
 def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_logits: list[str],
@@ -185,32 +187,31 @@ def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_lo
             dec_lens.append(start + 1)
             dec_tables.append(table)
         if group_cost is not None and (T == 1 or (start > 0 and T <= MAX_GROUPED_QUERIES)):
-            short.append((row, T, start, table))     # NEW: speculative, verified with the decodes
+            short.append(Run(row, T, start, table))  # NEW: speculative, verified with the decodes
         elif T > 1:
-            mask = causal_mask(T, start + T, device) if start else None        # (T, start+T) or causal
-            prefills.append((row, T, start, block_table_tensor([table], device), mask))   # (1, n) table
+            prefills.append(Run(row, T, start, table, block_table_tensor([table], device)))   # (1, n) table
         row += T
     groups = []
     if short:
-        for members in group_by_length([len(short[i][3]) for i in range(len(short))], group_cost):
+        for members in group_by_length([len(short[i].table) for i in range(len(short))], group_cost):
             groups.append(_decode_group([short[i] for i in members], block_size, device))
     as_long = dict(dtype=torch.long, device=device)
     return PagedBatch(torch.tensor(tokens, **as_long), torch.tensor(positions, **as_long),
                       torch.tensor(slots, **as_long), torch.tensor(logits_rows, **as_long),
                       torch.tensor(dec_rows, **as_long), block_table_tensor(dec_tables, device),
                       torch.tensor(dec_lens, dtype=torch.int32, device=device), groups, prefills,
-                      [r for r in short if r[1] > 1])
+                      [r for r in short if r.length > 1])
 
 
-def _decode_group(members: list[tuple[int, int, int, list[int]]], block_size: int, device) -> DecodeGroup:
-    """members: (row, T, start, block table) of each request. Query t of a request sees its keys
-    0..start + t (causal within its own new tokens); padded query rows see key 0 only."""
-    Tq = max(T for _, T, _, _ in members)
-    tables = block_table_tensor([table for _, _, _, table in members]).long()   # (Bg, n)
+def _decode_group(members: list[Run], block_size: int, device) -> DecodeGroup:
+    """members: the runs of the group's requests. Query t of a request sees its keys 0..start + t
+    (causal within its own new tokens); padded query rows see key 0 only."""
+    Tq = max(r.length for r in members)
+    tables = block_table_tensor([r.table for r in members]).long()                # (Bg, n)
     t = torch.arange(Tq)                                                          # (Tq,)
-    lengths = torch.tensor([T for _, T, _, _ in members])                         # (Bg,)
-    starts = torch.tensor([start for _, _, start, _ in members])                  # (Bg,)
-    first = torch.tensor([row for row, _, _, _ in members])                       # (Bg,)
+    lengths = torch.tensor([r.length for r in members])                           # (Bg,)
+    starts = torch.tensor([r.start for r in members])                             # (Bg,)
+    first = torch.tensor([r.row for r in members])                                # (Bg,)
     real = t[None, :] < lengths[:, None]                                          # (Bg, Tq)
     rows = first[:, None] + torch.minimum(t[None, :], lengths[:, None] - 1)       # (Bg, Tq)
     keys = torch.arange(tables.shape[1] * block_size)                             # (n * bs,)
@@ -220,109 +221,169 @@ def _decode_group(members: list[tuple[int, int, int, list[int]]], block_size: in
                        (starts + lengths).to(device))
 
 
-def sdpa(q, keys, values, attn_mask=None, is_causal=False):
-    """F.scaled_dot_product_attention(q, keys, values, ...) with GQA, (B, H, T, D) layouts; on CPU a
-    bf16/fp16 q, K, V are converted to fp32 first and the result back (NEW: the 2-byte CPU kernel is
-    slower than those copies plus the fp32 one)."""
-    if q.device.type != "cpu" or q.element_size() != 2:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, is_causal=is_causal,
-                                              enable_gqa=True)
-    out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=attn_mask,
-                                         is_causal=is_causal, enable_gqa=True)
-    return out.to(q.dtype)
+class Stacked:
+    """Projections that read the same input, applied side by side and concatenated: q, k, v (or
+    gate, up) of a model whose projections could not be fused into one matrix (quantised ones
+    without a CPU kernel). x (N, in) -> (N, sum out)."""
+
+    def __init__(self, modules):
+        self.modules = list(modules)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m(x) for m in self.modules], dim=-1)
 
 
-_compiled_decode_attention = torch.compile(decode_attention_fused)
+class PackedProjection:
+    """Quantised projections that read one input (wq, wk, wv; w_gate, w_up; or one alone) as ONE int8/int4
+    kernel call for up to the kernels' row limit (cpu_kernels.KERNEL_MAX_ROWS: decode steps), and the
+    modules themselves above it (a prefill: dequantise once, then a GEMM). x (N, in) -> (N, sum out)."""
 
+    def __init__(self, pack: tuple, modules, max_rows: int):
+        self.pack, self.max_rows = pack, max_rows                    # (weight, scale, group, perm)
+        self.modules = modules[0] if len(modules) == 1 else Stacked(modules)
 
-def fused_decode_attention(q, k_cache, v_cache, block_tables, seq_lens):
-    """decode_attention_fused compiled once per head layout, block size and dtype: the rows, the blocks
-    per row and the pool size are marked symbolic from the first call, while the head counts, head
-    size and block size stay constants of the generated loops (all-symbolic code, dynamic=True or a
-    symbolic block size, ran several times slower here). Rows and blocks per row are padded to at
-    least 2 (a repeated row, a repeated block past seq_lens): torch specialises a size of 1, which
-    would cost a graph of its own. Where compiling fails, the same contract by gather + SDPA."""
-    B, n = block_tables.shape
-    if B == 1:
-        q, block_tables, seq_lens = torch.cat([q, q]), torch.cat([block_tables, block_tables]), seq_lens.repeat(2)
-    if n == 1:
-        block_tables = block_tables.repeat(1, 2)                           # the copy is past seq_lens: masked
-    for t, dims in ((q, (0,)), (block_tables, (0, 1)), (seq_lens, (0,)), (k_cache, (0,)), (v_cache, (0,))):
-        for d in dims:
-            torch._dynamo.maybe_mark_dynamic(t, d)
-    out = fast_decode._run_compiled(_compiled_decode_attention, _decode_attention_gathered,
-                                    q, k_cache, v_cache, block_tables, seq_lens)      # (B', Hq, D)
-    return out[:B]
-
-
-def _decode_attention_gathered(q, k_cache, v_cache, block_tables, seq_lens):
-    """decode_attention_fused's contract by gather + SDPA: what runs where compiling fails."""
-    keys, values = gather_kv(k_cache, v_cache, block_tables, dtype=q.dtype)   # (B, L, Hkv, D)
-    visible = torch.arange(keys.shape[1], device=q.device) < seq_lens[:, None]  # (B, L)
-    out = sdpa(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible[:, None, None])
-    return out[:, :, 0]                                                          # (B, Hq, D)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.max_rows:
+            from .quant.cpu_kernels import packed_mm
+            return packed_mm(x, *self.pack)
+        return self.modules(x)
 
 
 class ModelRunner:
-    """Runs PagedBatches of one model over one PagedKVCache."""
+    """Runs PagedBatches of one model over one PagedKVCache, every layer by layer.decoder_layer."""
 
     def __init__(self, model: Llama, kv: PagedKVCache, rope: RopeTable, prepack_rows: int | None = None,
-                 triton_on_cpu: bool = False, tune_kernels: bool = True):
+                 triton_on_cpu: bool = False, tune_kernels: bool = True, compile_decode: bool = False,
+                 attention_backend: str = "sdpa"):
         """prepack_rows: on CPU, lay the float weights out once for batches of about this many rows
         (minillm/prepacked.py; the engine passes max_num_seqs); None: plain F.linear.
-        tune_kernels: time MKL against oneDNN per weight shape, once, here (prepacked.choose_libraries);
-        False: the recorded default. What was chosen is kept in self.gemm_libraries.
+        tune_kernels: the build's one timing step: MKL against oneDNN per weight shape
+        (prepacked.choose_libraries) and, for a 2-byte model, the two builds of the compiled decode
+        step; False: the recorded defaults. What was chosen: self.gemm_libraries, self.decode_build.
+        compile_decode: on CPU, a step whose only row is one decode token runs the same layer under
+        torch.compile (layer.compiled_decode_layer) over the weights as tensors or int8/int4 packs.
         triton_on_cpu: run the GPU path (Triton store + paged decode kernel) on CPU tensors under
-        TRITON_INTERPRET=1, so that tests on a CPU machine cover what a GPU runs."""
+        TRITON_INTERPRET=1, so that tests on a CPU machine cover what a GPU runs.
+        attention_backend: how prefill runs attend (model.ATTENTION_BACKENDS); the paged backend itself
+        (attention.BACKENDS) follows from the device and the cache, in self.attention."""
         self.model, self.kv, self.rope = model, kv, rope
         self.fused = is_fused(model)            # fused QKV / gate-up (not for quantised models)
         self.gemm_libraries: dict[str, str] = {}                        # library_key -> "mkl" | "onednn"
-        self.packed_layers, self.packed_head = self._prepack(prepack_rows, tune_kernels)
         if triton_on_cpu and kv.k.device.type == "cpu" and not INTERPRETED:
             raise ValueError("triton_on_cpu=True needs TRITON_INTERPRET=1 in the environment before minillm "
                              "is imported (the Triton kernels run on CPU only in the interpreter)")
-        # the Triton kernels read the model's dtype from the blocks; an int8/fp8 cache takes the gather path
-        self.use_triton = (kv.k.device.type == "cuda" or triton_on_cpu) and not kv.quantized
         self.graphs = None                      # NEW: CUDA graphs; a cuda_graphs.DecodeGraphs set by the engine
-        self._buffers = [torch.empty(0, dtype=kv.k.dtype, device=kv.k.device) for _ in range(2)]
-        # NEW: fused decode attention, on CPU for a cache in the model's dtype
-        self.fused_decode_attention = kv.k.device.type == "cpu" and not self.use_triton and not kv.quantized
-        self.fused_attention_calls = 0          # tests prove the path ran
+        self.compiled_decode_steps = 0          # tests prove the compiled decode step ran
+        self.compile_failed: str | None = None  # why torch.compile could not build here: eager from then on
+        self.attention = make_backend(choose_backend(kv, triton_on_cpu), kv, attention_backend, self._run)
+        self.layer_weights, self.packed_head = self._eager_weights(prepack_rows, tune_kernels)
+        self.decode_weights = self._compiled_weights() if compile_decode and self.attention.name == "cpu-fused" else None
+        self.decode_build = "default"           # layer.DECODE_BUILDS key: the compiled step's build
+        if self.decode_weights is not None and model.embed.weight.element_size() == 2 and tune_kernels:
+            self.decode_build = self._choose_decode_build()
 
     def drop_prepacked(self) -> None:
         """Run on plain F.linear from now on (frees the packed copies; bench engine-step compares)."""
-        self.packed_layers, self.packed_head = None, None
+        self.layer_weights, self.packed_head = self._eager_weights(None, False)
 
-    def _prepack(self, rows: int | None, tune: bool) -> tuple[list | None, prepacked.PrepackedLinear | None]:
-        """-> per layer (wqkv, wo, w_gate_up, w_down) prepacked, and the tied LM head; or Nones."""
+    # --- the weights each layer is run with (layer.decoder_layer's `weights`) -------------------
+    def _eager_weights(self, rows: int | None, tune: bool) -> tuple[list, prepacked.PrepackedLinear | None]:
+        """-> per layer (attn_norm, qkv, wo, ffn_norm, gate_up, down) for the eager forward, each
+        projection prepacked (CPU, `rows` given), an int8/int4 pack, or the module itself; and the
+        prepacked tied LM head or None."""
         model = self.model
-        if rows is None or not self.fused or self.kv.k.device.type != "cpu":
-            return None, None
-        linears = [(layer.attn.wqkv, layer.attn.wo, layer.ffn.w_gate_up, layer.ffn.w_down) for layer in model.layers]
-        weights = [m.weight for ms in linears for m in ms if type(m) is torch.nn.Linear and m.bias is None]
-        head = model.embed.weight if model.lm_head is None else None
-        self.gemm_libraries = prepacked.choose_libraries(weights + ([head] if head is not None else []), rows, tune)
-        layers = [tuple(prepacked.prepack_or_none(m, rows, self.gemm_libraries) for m in ms) for ms in linears]
-        return layers, None if head is None else prepacked.prepack_or_none(head, rows, self.gemm_libraries)
+        self.prepacking = rows is not None and self.fused and self.kv.k.device.type == "cpu"
+        if self.prepacking:
+            linears = [(layer.attn.wqkv, layer.attn.wo, layer.ffn.w_gate_up, layer.ffn.w_down) for layer in model.layers]
+            weights = [m.weight for ms in linears for m in ms if type(m) is torch.nn.Linear and m.bias is None]
+            head = model.embed.weight if model.lm_head is None else None
+            self.gemm_libraries = prepacked.choose_libraries(weights + ([head] if head is not None else []), rows, tune)
+            packed_head = None if head is None else prepacked.prepack_or_none(head, rows, self.gemm_libraries)
+        else:
+            self.gemm_libraries, packed_head = {}, None
 
-    def _decode_buffers(self, batch: PagedBatch) -> tuple | None:
-        """Two (Bg * n, block_size, Hkv, D) buffers, for the largest decode group, that every
-        layer's K/V copy reuses. They only grow, so after the first steps there is no allocation
-        (and no page faults) per layer: a fresh 10 MB tensor per layer cost as much as the copy."""
-        if self.kv.quantized or self.use_triton or not batch.decode_groups:
-            return None                                                  # dequantising allocates anyway
-        if self._fused_ready() and all(g.rows.shape[1] == 1 for g in batch.decode_groups):
-            return None                                                  # the fused kernel gathers nothing
-        shape = (max(g.tables.numel() for g in batch.decode_groups), *self.kv.k.shape[2:])
-        n = math.prod(shape)
-        for i, buf in enumerate(self._buffers):
-            if buf.numel() < n:
-                self._buffers[i] = torch.empty(n, dtype=buf.dtype, device=buf.device)
-        return tuple(buf[:n].view(shape) for buf in self._buffers)
+        def eager(module):
+            found = prepacked.prepack_or_none(module, rows, self.gemm_libraries) if self.gemm_libraries else None
+            if found is not None:                                        # NEW: prepacked
+                return found
+            return functools.partial(gemv_linear, module) if type(module) is torch.nn.Linear else module
 
-    def _fused_ready(self) -> bool:
-        """Decode groups of single queries take the fused kernel (compiling has not failed here)."""
-        return self.fused_decode_attention and fast_decode._compiler_broken is None
+        out = []
+        for layer in model.layers:
+            attn, ffn = layer.attn, layer.ffn
+            if self.fused:
+                qkv, gate_up = eager(attn.wqkv), eager(ffn.w_gate_up)
+            else:                                                        # quantised: packs, or side by side
+                qkv = _packs([attn.wq, attn.wk, attn.wv], model) or Stacked([attn.wq, attn.wk, attn.wv])
+                gate_up = _packs([ffn.w_gate, ffn.w_up], model) or Stacked([ffn.w_gate, ffn.w_up])
+            wo = (None if self.fused else _packs([attn.wo], model)) or eager(attn.wo)
+            down = (None if self.fused else _packs([ffn.w_down], model)) or eager(ffn.w_down)
+            out.append((layer.attn_norm.weight.detach(), qkv, wo, layer.ffn_norm.weight.detach(), gate_up, down))
+        return out, packed_head
+
+    def _compiled_weights(self) -> list | None:
+        """-> per layer the weights of the compiled decode step: tensors (a float model whose fused
+        projections are bias-free nn.Linears) or int8/int4 packs; None where a projection is neither."""
+        model, out = self.model, []
+        for layer, eager in zip(model.layers, self.layer_weights):
+            attn, ffn = layer.attn, layer.ffn
+            if self.fused:
+                linears = (attn.wqkv, attn.wo, ffn.w_gate_up, ffn.w_down)
+                if any(type(m) is not torch.nn.Linear or m.bias is not None for m in linears):
+                    return None
+                projections = [m.weight.detach() for m in linears]
+            else:
+                projections = [eager[1], eager[2], eager[4], eager[5]]
+                if not all(isinstance(p, PackedProjection) for p in projections):
+                    return None
+                projections = [p.pack for p in projections]
+            out.append((eager[0], projections[0], projections[1], eager[3], projections[2], projections[3]))
+        return out
+
+    def _choose_decode_build(self, rounds: int = 3) -> str:
+        """Time the two builds of the compiled 2-byte decode step (layer.DECODE_BUILDS) on one decode
+        token written to slot 0 (the pool is empty while the engine is being built), each compiled
+        first, then `rounds` alternating rounds of a whole step (all layers: the weights stream from
+        memory as they do in use; one layer alone sits in the cache, where the builds tie)."""
+        device = self.kv.k.device
+        batch = build_batch([([0], 0, [0], [0])], ["last"], self.kv.block_size, device)
+        totals = dict.fromkeys(DECODE_BUILDS, 0.0)
+        for name in DECODE_BUILDS:
+            self._forward_compiled(batch, name)                          # compiles
+        for _ in range(rounds if self.compile_failed is None else 0):
+            for name in DECODE_BUILDS:
+                t0 = time.perf_counter()
+                self._forward_compiled(batch, name)
+                totals[name] += time.perf_counter() - t0
+        self.compiled_decode_steps = 0
+        return min(DECODE_BUILDS, key=totals.get)
+
+    @property
+    def packed_layers(self) -> list[tuple] | None:
+        """Per layer its (qkv, wo, gate_up, down) projections where they are prepacked GEMMs (a
+        projection that could not be prepacked: None), or None where the weights are not prepacked
+        (no prepack_rows, a quantised model, a GPU, or drop_prepacked)."""
+        if not self.prepacking:
+            return None
+        return [tuple(p if isinstance(p, prepacked.PrepackedLinear) else None for p in (w[1], w[2], w[4], w[5]))
+                for w in self.layer_weights]
+
+    @property
+    def use_triton(self) -> bool:
+        """Decode rows go through the Triton kernels (the GPU path; CUDA graphs need it)."""
+        return self.attention.name == "triton"
+
+    def _run(self, compiled, eager, *args):
+        """compiled(*args); where torch.compile cannot build (no C++ compiler), warn once and run
+        eager(*args), the same math unfused, from then on (recorded in self.compile_failed)."""
+        if self.compile_failed is None:
+            try:
+                return compiled(*args)
+            except compiler_errors() as e:                               # any other error is the step's own
+                self.compile_failed = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+                warnings.warn(f"torch.compile could not build the CPU decode kernels ({self.compile_failed}); "
+                              "running them eagerly")
+        return eager(*args)
 
     @property
     def graph_replays(self) -> int:
@@ -334,6 +395,8 @@ class ModelRunner:
         """-> logits (K, V) of batch.logits_rows."""
         if self.graphs is not None and self.graphs.fits(batch):         # NEW: CUDA graphs, decode-only steps
             return self.graphs.run(batch)
+        if self.decode_weights is not None and _one_decode_row(batch) and self.compile_failed is None:
+            return self._forward_compiled(batch, self.decode_build)      # NEW: compiled decode step
         return self.forward_eager(batch)
 
     @torch.no_grad()
@@ -342,97 +405,77 @@ class ModelRunner:
         h = self.forward_layers(self.model.embed(batch.tokens), batch)   # (N, dim)
         if self.packed_head is not None:                                 # NEW: prepacked
             return prepacked.lm_head(self.packed_head, self.model, h[batch.logits_rows])
-        return lm_head(self.model, h[batch.logits_rows])                 # (K, V)
+        return tied_logits(self.model, h[batch.logits_rows])             # (K, V)
 
     @torch.no_grad()
     def forward_layers(self, h: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         """h (N, dim) through every layer of self.model (a pipeline stage runs only its own)."""
-        model, cfg = self.model, self.model.cfg
-        Hq, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        N = batch.tokens.shape[0]
+        cfg = self.model.cfg
         rotation = self.rope.rotation[batch.positions][:, None]          # (N, 1, D/2) complex
-        buffers = self._decode_buffers(batch)
-        for i, layer in enumerate(model.layers):
-            pqkv, pwo, pgate_up, pdown = self.packed_layers[i] if self.packed_layers else (None,) * 4
-            q, k, v = self._qkv(layer.attn, rms_norm(layer.attn_norm, h), rotation, pqkv)   # (N, H, D) each, q k rotated
-            self._store(i, k, v, batch.slot_mapping)                     # NEW: paged
-            out = self._attention(i, q, batch, buffers)                  # (N, Hq, D)
-            h = h + self._linear(pwo, layer.attn.wo, out.reshape(N, Hq * D))
-            x = rms_norm(layer.ffn_norm, h)
-            if self.fused:
-                gate, up = self._linear(pgate_up, layer.ffn.w_gate_up, x).chunk(2, dim=-1)   # (N, ffn) each
-                h = h + self._linear(pdown, layer.ffn.w_down, F.silu(gate) * up)
-            else:
-                h = h + layer.ffn(x)
+        rope = functools.partial(apply_rope_complex, rotation=rotation)  # one complex multiply for q and k
+        self.attention.begin_step(batch)
+        for i, weights in enumerate(self.layer_weights):
+            attention = functools.partial(self.attention.forward, i, batch=batch)   # (q, k, v) -> (N, Hq, D)
+            h = decoder_layer(h, weights, rope, attention, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps)
         return h
 
-    @staticmethod
-    def _linear(packed, module, x):
-        """x (N, in) -> (N, out): the prepacked weight where there is one (NEW: prepacked)."""
-        return linear(module, x) if packed is None else packed(x)
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin at each row's position, (N, 1, D/2) each."""
+        rotation = self.rope.rotation[positions][:, None]                # (N, 1, D/2) complex
+        return rotation.real.contiguous(), rotation.imag.contiguous()
 
-    def _qkv(self, attn, x, rotation, packed=None):
-        """-> q (N, Hq, D), k (N, Hkv, D) with RoPE applied, v (N, Hkv, D)."""
+    @torch.no_grad()
+    def _forward_compiled(self, batch: PagedBatch, build: str) -> torch.Tensor:
+        """One decode token through every layer by the compiled layer.paged_decode_layer (eagerly,
+        where compiling fails) -> logits (1, V). The block table is padded to at least 2 blocks
+        (a repeat past seq_len, masked): torch would specialise a size of 1 into a graph of its own."""
         cfg = self.model.cfg
-        Hq, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        if self.fused:                                   # rotate q and k in one go
-            qk, v = self._linear(packed, attn.wqkv, x).split([(Hq + Hkv) * D, Hkv * D], dim=-1)
-            qk = apply_rope_complex(qk.view(-1, Hq + Hkv, D), rotation)   # (N, Hq+Hkv, D)
-            return qk[:, :Hq], qk[:, Hq:], v.view(-1, Hkv, D)
-        q, k, v = attn.wq(x), attn.wk(x), attn.wv(x)
-        return (apply_rope_complex(q.view(-1, Hq, D), rotation), apply_rope_complex(k.view(-1, Hkv, D), rotation),
-                v.view(-1, Hkv, D))
+        group = batch.decode_groups[0]
+        tables = group.tables if group.tables.shape[1] > 1 else group.tables.repeat(1, 2)   # (1, n >= 2)
+        torch._dynamo.maybe_mark_dynamic(tables, 1)
+        cos, sin = self._cos_sin(batch.positions)                        # (1, 1, D/2) each
+        h = self.model.embed.weight.detach()[batch.tokens]               # (1, dim) gathered: not a view
+        compiled = DECODE_BUILDS[build]
+        for i, weights in enumerate(self.decode_weights):
+            h = self._run(compiled, paged_decode_layer, h, weights, cos, sin, self.kv.k[i], self.kv.v[i],
+                          batch.slot_mapping, tables, group.seq_lens, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps)
+        self.compiled_decode_steps += 1
+        if self.model.lm_head is not None:                               # an untied or quantised head
+            return self.model.logits(h)                                  # (1, V)
+        x = self.model.norm(h)[0]                                        # (dim,)
+        head = self.model.embed.weight.detach()
+        return self._run(compiled_rowwise_dot, torch.mv, head, x)[None]  # (1, V): the tied head as one GEMV
 
-    def _store(self, layer: int, k, v, slot_mapping) -> None:
-        if self.use_triton:
-            from kernels.paged_attention import store_kv
-            store_kv(k, v, self.kv.k[layer], self.kv.v[layer], slot_mapping, slots_checked=True)   # block manager's slots
-        else:
-            self.kv.store(layer, k, v, slot_mapping)
 
-    def _attention(self, layer: int, q, batch: PagedBatch, buffers=None):
-        """q (N, Hq, D) -> (N, Hq, D); each row attends to its own request's keys only."""
-        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]            # (blocks, bs, Hkv, D)
-        only_decodes = not batch.prefills                                # every row is in decode_groups (CPU)
-        out = None if only_decodes else torch.empty_like(q)
-        if self.use_triton and batch.decode_rows.numel():
-            from kernels.paged_attention import paged_attention_decode
-            qd = q if only_decodes else q[batch.decode_rows]              # (Bd, Hq, D)
-            od = paged_attention_decode(qd, k_cache, v_cache, batch.decode_tables, batch.decode_lens)
-            if only_decodes:                                              # rows are 0..N-1 in order
-                return od
-            out[batch.decode_rows] = od
-        elif batch.decode_groups:                                         # CPU
-            in_order = only_decodes and len(batch.decode_groups) == 1 and not batch.grouped_runs
-            fused = self._fused_ready()
-            for g in batch.decode_groups:
-                if fused and g.rows.shape[1] == 1:                        # NEW: fused decode attention
-                    qd = (q if in_order else q[g.rows[:, 0]]).contiguous()   # (Bg, Hq, D): one layout, one graph
-                    od = fused_decode_attention(qd, k_cache, v_cache, g.tables, g.seq_lens)   # (Bg, Hq, D)
-                    self.fused_attention_calls += 1
-                    if in_order:
-                        return od
-                    if out is None:
-                        out = torch.empty_like(q)
-                    out[g.rows[:, 0]] = od
-                    continue
-                # copy blocks, then SDPA
-                qd = q[:, None] if in_order else q[g.rows]                # (Bg, Tq, Hq, D)
-                reuse = None if buffers is None else tuple(b[:g.tables.numel()] for b in buffers)
-                keys, values = self.kv.gather(layer, g.tables, reuse)    # (Bg, n * bs, Hkv, D)
-                od = sdpa(qd.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                          attn_mask=g.mask)                               # (Bg, Hq, Tq, D)
-                od = od.transpose(1, 2)                                   # (Bg, Tq, Hq, D)
-                if in_order:                                              # rows are 0..N-1, one each
-                    return od[:, 0]
-                if out is None:
-                    out = torch.empty_like(q)
-                out[g.rows[g.real]] = od[g.real]
-        for row, T, start, blocks, mask in batch.prefills:
-            qp = q[row:row + T].transpose(0, 1)[None]                     # (1, Hq, T, D)
-            keys, values = self.kv.gather(layer, blocks)                  # (1, L_pad, Hkv, D)
-            keys = keys[:, :start + T].transpose(1, 2)                    # (1, Hkv, L, D)
-            values = values[:, :start + T].transpose(1, 2)
-            op = sdpa(qp, keys, values, attn_mask=mask, is_causal=mask is None)   # (1, Hq, T, D)
-            out[row:row + T] = op[0].transpose(0, 1)
-        return out
+def _one_decode_row(batch: PagedBatch) -> bool:
+    """The step is a single decode token (one request, one row): what the compiled step runs."""
+    return batch.tokens.shape[0] == 1 and not batch.prefills and len(batch.decode_groups) == 1
+
+
+def _packs(modules, model: Llama):
+    """Quantised projections that read one input as a PackedProjection (quant/cpu_kernels.fused_pack),
+    or None (not all QuantLinears, no CPU kernel, or kernels switched off by cpu_kernels.reference_path)."""
+    from .quant import cpu_kernels
+    from .quant.linear import QuantLinear
+
+    dtype = model.embed.weight.dtype
+    if not cpu_kernels._enabled or model.embed.weight.device.type != "cpu" \
+            or not all(type(m) is QuantLinear for m in modules):
+        return None
+    pack = cpu_kernels.fused_pack(modules, dtype)
+    return None if pack is None else PackedProjection(pack, modules, cpu_kernels.KERNEL_MAX_ROWS.get(dtype, 0))
+
+
+def gemv_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """module(x), with a single row (one decode token) as the BLAS matrix-vector product."""
+    if x.shape[0] == 1:
+        y = torch.mv(module.weight, x[0])                                # (out,)
+        return (y if module.bias is None else y + module.bias)[None]
+    return module(x)
+
+
+def tied_logits(model: Llama, h: torch.Tensor) -> torch.Tensor:
+    """model.logits(h) for h (K, dim), with one row through a tied head as torch.mv."""
+    if model.lm_head is None and h.shape[0] == 1:
+        return torch.mv(model.embed.weight, model.norm(h)[0])[None]      # (1, V)
+    return model.logits(h)

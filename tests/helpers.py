@@ -2,6 +2,8 @@
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from minillm.reference import stream_contiguous
+
 
 class CharTokenizer:
     """Just enough tokenizer for the tiny random model: id -> one printable character."""
@@ -55,7 +57,7 @@ def alone(llm, prompts, params):
     outs = []
     for prompt, p in zip(prompts, params):
         (req,) = llm.make_requests([prompt], p)
-        for _ in llm.stream_request(req):
+        for _ in stream_contiguous(llm, req):
             pass
         outs.append(req.output_token_ids)
     return outs

@@ -1,7 +1,7 @@
 """The continuous batching engine: every request's tokens equal running it alone.
 
-The reference is LLM.stream_request: one request at a time on the contiguous KV cache
-(itself proven equal to the naive baseline in test_kv_cache.py / test_fast_decode.py).
+The reference is minillm.reference.stream_contiguous: one request at a time on the contiguous KV
+cache (kv_cache.forward_cached, itself proven equal to the naive baseline in test_kv_cache.py).
 """
 import itertools
 import random
@@ -13,6 +13,7 @@ from helpers import CharTokenizer, alone, random_prompts
 from minillm import LLM, SamplingParams
 from minillm.model import random_model, tiny_config
 from minillm.model_runner import group_by_length
+from minillm.reference import stream_contiguous
 
 LENGTHS = [1, 5, 17, 33, 64, 100, 3, 40]
 MAX_TOKENS = [5, 20, 1, 33, 12, 8, 40, 16]
@@ -161,7 +162,7 @@ def test_prompt_logprobs_through_the_engine_equal_the_single_path():
     llm.engine.run([got])
     got = llm.output_processor.to_output(got)
     (req,) = llm.make_requests([prompt], params)
-    for _ in llm.stream_request(req):
+    for _ in stream_contiguous(llm, req):
         pass
     assert got.outputs[0].token_ids == req.output_token_ids
     assert len(got.prompt_logprobs) == 40 and got.prompt_logprobs[0] is None

@@ -7,7 +7,7 @@ the padded static-buffer forward of CUDA graphs (minillm/cuda_graphs.py):
 - "cpu-interpreter": the Triton path forced on CPU (ModelRunner(triton_on_cpu=True)) under
   TRITON_INTERPRET=1, tiny model; graphs run unrecorded;
 - "cuda": the compiled kernels and recorded graphs (skipped without CUDA), plus the real model.
-The reference is LLM.stream_request, each request alone on the contiguous cache, fp32: identical
+The reference is minillm.reference.stream_contiguous, each request alone on the contiguous cache, fp32: identical
 greedy tokens. count_calls proves the Triton kernels ran rather than a fallback.
 """
 import functools

@@ -1,13 +1,14 @@
 """The CPU engine's fused decode attention (paged_attention.decode_attention_fused, compiled by
-model_runner.fused_decode_attention) against the gather-then-softmax reference, and the engine
-really running it: same tokens as its gather + SDPA path, with the calls counted."""
+attention.fused_decode_attention) against the gather-then-softmax reference, and the engine
+really running it (the "cpu-fused" attention backend): same tokens as the "torch" backend's
+gather + SDPA, with the calls counted."""
 import pytest
 import torch
 
 from helpers import CharTokenizer, random_prompts
 from minillm import LLM, SamplingParams
 from minillm.model import random_model, tiny_config
-from minillm.model_runner import _decode_attention_gathered, fused_decode_attention
+from minillm.attention import decode_attention_gathered, fused_decode_attention, make_backend
 from minillm.paged_attention import paged_attention_reference
 
 
@@ -37,7 +38,7 @@ def test_fused_decode_attention_matches_the_reference_in_fp32(num_heads, num_kv_
     got = fused_decode_attention(q, k_cache, v_cache, tables, lens)
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(_decode_attention_gathered(q, k_cache, v_cache, tables, lens), want,
+    torch.testing.assert_close(decode_attention_gathered(q, k_cache, v_cache, tables, lens), want,
                                atol=1e-5, rtol=1e-5)                    # the fallback keeps the contract
 
 
@@ -74,21 +75,23 @@ def test_engine_runs_the_fused_decode_attention_and_gives_the_gather_paths_token
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm = tiny_llm(max_num_seqs=6)
     runner = llm.engine.runner
-    assert runner.fused_decode_attention
-    runner.fused_decode_attention = False                               # gather + SDPA
+    fused, compiled_weights = runner.attention, runner.decode_weights
+    assert fused.name == "cpu-fused"
+    runner.attention = make_backend("torch", runner.kv)                 # gather + SDPA
+    runner.decode_weights = None                                        # (the compiled one-row step reads in place too)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert runner.fused_attention_calls == 0
-    runner.fused_decode_attention = True
+    assert fused.fused_calls == 0
+    runner.attention, runner.decode_weights = fused, compiled_weights
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    # every decode step attends in every layer (groups by length may split a step into several calls)
-    assert runner.fused_attention_calls >= 15 * tiny_config().n_layers
+    # every decode step of several rows attends in every layer (groups by length may split a step)
+    assert fused.fused_calls >= 10 * tiny_config().n_layers
     llm.close()
 
 
 def test_an_int8_kv_cache_keeps_the_gather_path():
     llm = tiny_llm(max_num_seqs=2, kv_cache_dtype="int8")
-    assert not llm.engine.runner.fused_decode_attention                # its gather dequantises
+    assert llm.engine.runner.attention.name == "torch"                 # its gather dequantises
+    assert llm.engine.runner.decode_weights is None                    # no compiled step over it either
     llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    assert llm.engine.runner.fused_attention_calls == 0
     llm.close()

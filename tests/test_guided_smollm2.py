@@ -91,7 +91,7 @@ def test_jump_forward_saves_steps_and_stays_valid(small_llm):
     jump = SamplingParams(temperature=0, max_tokens=60,
                           guided_decoding=GuidedDecodingParams(json=schema, jump_forward=True))
     reqs = small_llm.make_requests([question], jump)
-    for _ in small_llm.stream_request(reqs[0]):                  # contiguous path, to read the counter
+    for _ in small_llm.stream_request(reqs[0]):                  # one request, to read its guide's counter
         pass
     plain = small_llm.generate([question], base, use_tqdm=False)[0].outputs[0]
     forced = reqs[0].guide.num_forced_tokens

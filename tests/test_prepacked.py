@@ -140,9 +140,9 @@ def test_a_quantised_model_runs_unpacked():
 
 
 def test_bf16_engine_attends_in_fp32_on_cpu(monkeypatch):
-    """model_runner.sdpa: the 2-byte CPU attention runs torch's fp32 kernel on upcast q, K, V (the
+    """attention.sdpa: the 2-byte CPU attention runs torch's fp32 kernel on upcast q, K, V (the
     bf16 kernel is the slower one there) and hands back the model's dtype."""
-    from minillm import model_runner
+    from minillm import attention
 
     seen = []
     original = F.scaled_dot_product_attention
@@ -151,7 +151,7 @@ def test_bf16_engine_attends_in_fp32_on_cpu(monkeypatch):
         seen.append((q.dtype, k.dtype, v.dtype))
         return original(q, k, v, **kwargs)
 
-    monkeypatch.setattr(model_runner.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
     llm = tiny_llm(torch.bfloat16, max_num_seqs=4)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 30, 12, 2], 200)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
@@ -159,7 +159,7 @@ def test_bf16_engine_attends_in_fp32_on_cpu(monkeypatch):
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 6, 1, 8).bfloat16(), torch.randn(2, 3, 20, 8).bfloat16(), torch.randn(2, 3, 20, 8).bfloat16()
-    out = model_runner.sdpa(q, k, v)                                      # (2, 6, 1, 8)
+    out = attention.sdpa(q, k, v)                                      # (2, 6, 1, 8)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, original(q.float(), k.float(), v.float(), enable_gqa=True).bfloat16())
 

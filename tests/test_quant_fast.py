@@ -229,7 +229,7 @@ def test_save_load_roundtrip_runs_the_fast_path(tmp_path, kernel_calls):
     assert all(m.cpu_unsupported is None for m in loaded.modules() if isinstance(m, QuantLinear))
 
 
-# ---- batch 1 on LLM: the compiled decode step over packed weights (fast_decode item 8) -------------
+# ---- batch 1 on LLM: the engine's compiled decode step over packed weights ------------------------
 
 def llm_tokens(llm, prompts=PROMPTS[:1], n=N_TOKENS) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -239,20 +239,19 @@ def llm_tokens(llm, prompts=PROMPTS[:1], n=N_TOKENS) -> list[list[int]]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_llm_batch1_decode_runs_the_compiled_step_on_packed_weights(monkeypatch, method, dtype):
-    from minillm import fast_decode
-
-    steps = count_calls(monkeypatch, "_decode_compiled", fast_decode)
+def test_llm_batch1_decode_runs_the_compiled_step_on_packed_weights(method, dtype):
     llm = LLM(model=random_model(tiny_config(), seed=0, dtype=dtype), tokenizer=CharTokenizer(), device="cpu",
               max_model_len=64, quantization=method)
     assert isinstance(llm.model.lm_head, QuantLinear) and llm.model.lm_head.fmt == "int8"   # the CPU default
     fast = llm_tokens(llm)
-    assert len(steps) == N_TOKENS - 1 and llm._engine is None                # every decode token, batch 1
-    packs = llm.model._decode_weights
+    runner = llm.engine.runner
+    assert runner.compiled_decode_steps == N_TOKENS - 1                      # every decode token, one row
+    packs = runner.decode_weights
     assert len(packs) == llm.config.n_layers and all(isinstance(w, tuple) for w in packs[0][1:3] + packs[0][4:])
-    with cpu_kernels.reference_path():                                     # dequantise + F.linear, eager loop
-        assert llm_tokens(llm) == fast
-    assert len(steps) == N_TOKENS - 1
+    with cpu_kernels.reference_path():                                     # dequantise + F.linear, eager
+        reference = LLM(model=llm.model, tokenizer=CharTokenizer(), device="cpu", max_model_len=64)
+        assert reference.engine.runner.decode_weights is None
+        assert llm_tokens(reference) == fast
 
 
 def test_qkv_and_gate_up_are_one_kernel_call_each_and_equal_separate_calls():
@@ -268,20 +267,19 @@ def test_qkv_and_gate_up_are_one_kernel_call_each_and_equal_separate_calls():
     assert cpu_kernels.fused_pack([nf4.layers[0].attn.wq], torch.float32) is None
 
 
-def test_gptq_act_order_layers_sharing_an_input_share_one_permutation(monkeypatch):
-    from minillm import fast_decode
-
+def test_gptq_act_order_layers_sharing_an_input_share_one_permutation():
     model = random_model(tiny_config(), seed=0, dtype=torch.bfloat16)
     calib = torch.randint(0, model.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     llm = LLM(model=quantize_model(model, "gptq", calibration_ids=calib), tokenizer=CharTokenizer(), device="cpu",
               max_model_len=64)                                            # a model quantised already
     attn = llm.model.layers[0].attn
     assert all("perm" in m.tensor_names for m in (attn.wq, attn.wk, attn.wv))
-    steps = count_calls(monkeypatch, "_decode_compiled", fast_decode)
     fast = llm_tokens(llm)
-    assert len(steps) == N_TOKENS - 1 and llm.model._decode_weights[0][1][3] is not None
+    runner = llm.engine.runner
+    assert runner.compiled_decode_steps == N_TOKENS - 1 and runner.decode_weights[0][1][3] is not None   # the perm
     with cpu_kernels.reference_path():
-        assert llm_tokens(llm) == fast
+        reference = LLM(model=llm.model, tokenizer=CharTokenizer(), device="cpu", max_model_len=64)
+        assert llm_tokens(reference) == fast
 
 
 def test_an_int8_lm_head_is_its_own_matrix_and_survives_save_and_load(tmp_path):

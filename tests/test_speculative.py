@@ -6,6 +6,7 @@ import torch
 from helpers import CharTokenizer
 from minillm import LLM, SamplingParams
 from minillm.output_processor import OutputProcessor
+from minillm.reference import stream_contiguous
 from minillm.model import random_model, tiny_config
 from minillm.sampling import filtered_probs
 from minillm.speculative import (METHODS, ModelDraft, NgramDraft, SpecStats, Stepper, acceptance_probability, best_k,
@@ -86,7 +87,7 @@ tiny_llm = TinyLLM
 
 def run_plain(llm, prompt, params):
     (req,) = llm.make_requests([prompt], params)
-    text = "".join(llm.stream_request(req))
+    text = "".join(stream_contiguous(llm, req))
     return req, text
 
 

@@ -38,8 +38,8 @@ HF_BATCH = 16
 KNOB_REPEATS = 3          # the knob settings run the whole workload in the first KNOB_REPEATS rounds
 SYSTEMS = {
     "hf_sequential": "transformers generate, one request at a time (KV cache on)",
-    "fast_sequential": "minillm LLM.generate, one prompt per call: the batch-1 path of lesson 02 (contiguous "
-                       "KV cache, fused projections, compiled decode step)",
+    "fast_sequential": "minillm, one request after another on lesson 02's batch-1 stage (contiguous "
+                       "KV cache, fused projections, compiled decode step; minillm/reference.py)",
     "continuous_1": "minillm engine, max_num_seqs=1: paged KV cache, one request at a time",
     "hf_batched": f"transformers generate on left-padded batches of {HF_BATCH}, each run until its longest "
                   f"request is done",
@@ -186,17 +186,22 @@ def merge_slices(slices: list[dict]) -> dict:
 
 
 def run_one_at_a_time(llm, prompts, outputs) -> dict:
-    """LLM.generate with one prompt per call: a lone request runs on the batch-1 fast path
-    (contiguous KV cache, compiled decode step), not on the engine. TTFT from the first call."""
+    """One request after another on lesson 02's batch-1 stage (minillm/reference.py: contiguous KV
+    cache, compiled decode step), outside the engine. TTFT from the first request's arrival."""
     from .. import SamplingParams
+    from ..reference import stream_contiguous
 
     t0 = time.time()
     p0 = time.perf_counter()
-    outs = [llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True),
-                         use_tqdm=False)[0] for p, m in zip(prompts, outputs)]
+    reqs = []
+    for p, m in zip(prompts, outputs):
+        (req,) = llm.make_requests([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+        for _ in stream_contiguous(llm, req):
+            pass
+        reqs.append(req)
     wall = time.perf_counter() - p0
-    return {"wall": wall, "ttft": [o.metrics.first_token_time - t0 for o in outs],
-            "tpot": [o.metrics.time_per_output_token for o in outs], "tokens": [o.outputs[0].token_ids for o in outs]}
+    return {"wall": wall, "ttft": [r.metrics.first_token_time - t0 for r in reqs],
+            "tpot": [r.metrics.time_per_output_token for r in reqs], "tokens": [r.output_token_ids for r in reqs]}
 
 
 def run_fresh_engine(llm, prompts, outputs) -> dict:

@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from .. import prepacked, roofline
+from .. import roofline
 from . import common
 from .kv_cache import dense_hf_model
 
@@ -67,10 +67,10 @@ def step_roofline(cfg, dtype: torch.dtype, batch: int, bandwidth: float, gemm_ra
 def attention_times(batch: int, keys: int, cfg, block_size: int = 16) -> dict[str, float]:
     """Microseconds of one decode-group attention on CPU (batch rows, one query each, `keys` keys, the
     model's heads), bf16 inputs. On K/V already laid out per request: torch's bf16 SDPA kernel against
-    its fp32 one on upcast copies (model_runner.sdpa). From a paged cache (each request's blocks
+    its fp32 one on upcast copies (attention.sdpa). From a paged cache (each request's blocks
     scattered over a pool): gather + upcast + SDPA (the engine's path before, and still its fallback)
-    against the fused compiled kernel that reads the blocks in place (model_runner.fused_decode_attention)."""
-    from ..model_runner import _decode_attention_gathered, fused_decode_attention, sdpa
+    against the fused compiled kernel that reads the blocks in place (attention.fused_decode_attention)."""
+    from ..attention import decode_attention_gathered, fused_decode_attention, sdpa
 
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q = torch.randn(batch, H, 1, D).bfloat16()                                # (B, Hq, 1, D)
@@ -83,7 +83,7 @@ def attention_times(batch: int, keys: int, cfg, block_size: int = 16) -> dict[st
     paged = (q[:, :, 0], *pool, tables, lens)
     return {"bf16_kernel_us": 1e6 * roofline.time_median(bf16_kernel, 20),
             "engine_fp32_kernel_us": 1e6 * roofline.time_median(lambda: sdpa(q, k, v), 20),
-            "paged_gather_sdpa_us": 1e6 * roofline.time_median(lambda: _decode_attention_gathered(*paged), 20),
+            "paged_gather_sdpa_us": 1e6 * roofline.time_median(lambda: decode_attention_gathered(*paged), 20),
             "paged_fused_us": 1e6 * roofline.time_median(lambda: fused_decode_attention(*paged), 20)}
 
 
@@ -92,7 +92,8 @@ def gemm_floor_ms(runner, batch: int, repeats: int = 10) -> float:
     head, at `batch` rows, in layer order (so each weight comes from memory as it does in a step);
     median ms. A step through these GEMMs cannot be faster than this with this library; the rest
     of a step (attention, norms, RoPE, copies, Python) comes on top."""
-    if not runner.packed_layers or runner.packed_head is None:
+    layers = runner.packed_layers
+    if not layers or any(p is None for layer in layers for p in layer) or runner.packed_head is None:
         raise ValueError("gemm_floor_ms needs a runner with prepacked weights (an engine built on CPU with prepack_rows)")
     cfg, dtype = runner.model.cfg, runner.model.embed.weight.dtype
     x = torch.randn(batch, cfg.dim, dtype=dtype)                              # (B, dim): values do not change speed
@@ -100,7 +101,7 @@ def gemm_floor_ms(runner, batch: int, repeats: int = 10) -> float:
     hidden = torch.randn(batch, cfg.ffn_dim, dtype=dtype)                     # (B, ffn)
 
     def gemms():
-        for wqkv, wo, w_gate_up, w_down in runner.packed_layers:
+        for wqkv, wo, w_gate_up, w_down in layers:
             wqkv(x), wo(attn_out), w_gate_up(x), w_down(hidden)
         runner.packed_head(x)
 

@@ -25,6 +25,7 @@ import torch
 from . import common
 from ..kv_cache import generate_greedy
 from ..model import Llama
+from ..reference import stream_contiguous
 from ..sampling import SamplingParams
 from ..speculative import (METHODS, SpecStats, Stepper, bf16_copy, default_skipped_layers, expected_speedup,
                            expected_tokens_per_call, layer_subset, make_draft, speculative_stream)
@@ -115,7 +116,7 @@ def run(quick: bool) -> dict:
 # ---- batch 1 on the fast path: plain vs n-gram (fixed k and the adaptive policy), fp32 and bf16 -------
 
 def measure_batch1(llm, quick: bool) -> list[dict]:
-    """LLM.generate of one request (the contiguous batch-1 path), plain vs n-gram speculation with
+    """LLM.generate of one request (through the engine, a batch of one), plain vs n-gram speculation with
     k = 4 and with the adaptive policy (k up to 8), for each prompt of BATCH1_PROMPTS, in fp32 and
     bf16. Modes run interleaved, repeated; each row is one dtype x prompt x mode with the median."""
     from .. import LLM
@@ -158,8 +159,10 @@ def measure_batch1(llm, quick: bool) -> list[dict]:
 
 
 def _spec_counts(llm) -> tuple:
-    counts = llm.speculative_counts
-    return counts["drafted"], counts["accepted"], counts["target_calls"]
+    """(drafted, accepted, target calls) so far: the engine's counters; every engine step is one
+    target forward (one request alone: all of its steps)."""
+    spec = llm.engine.speculation
+    return spec.drafted, spec.accepted, len(llm.engine.step_log)
 
 
 def _spec_delta(llm, before) -> dict:
@@ -275,12 +278,12 @@ def measure_block(llm, prompt: str, kind: str, temperature: float, config: dict)
     """Plain vs every draft and k for one prompt and temperature. Each speculative run is paired
     with a plain run just before it, so a change in machine load hits both sides of the ratio."""
     n = config["max_tokens"]
-    _timed(llm.stream_request(_request(llm, prompt, temperature, n)))                   # warm-up
+    _timed(stream_contiguous(llm, _request(llm, prompt, temperature, n)))                # warm-up
     rows = []
     for method in config["methods"]:
         draft = make_draft(llm.model, method)
         for k in config["ks"]:
-            plain, plain_decode = _timed(llm.stream_request(_request(llm, prompt, temperature, n)))
+            plain, plain_decode = _timed(stream_contiguous(llm, _request(llm, prompt, temperature, n)))
             req = _request(llm, prompt, temperature, n)
             stats = SpecStats()
             total, decode = _timed(speculative_stream(llm, req, method, k, stats, draft))

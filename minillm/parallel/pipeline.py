@@ -128,10 +128,8 @@ def _runs_of(batch: PagedBatch, block_size: int):
     """-> the (new tokens, start, block table, slots) runs and "all"/"last"/"none" wants, in row order."""
     wanted = set(batch.logits_rows.tolist())
     starts = {}                                                    # row -> (T, start, table)
-    for row, T, start, blocks, _ in batch.prefills:
-        starts[row] = (T, start, blocks[0].tolist())
-    for row, T, start, table in batch.grouped_runs:                # short runs attended with the decodes
-        starts[row] = (T, start, list(table))
+    for run in batch.prefills + batch.grouped_runs:                # grouped: short runs attended with the decodes
+        starts[run.row] = (run.length, run.start, list(run.table))
     for i, row in enumerate(batch.decode_rows.tolist()):
         keys = int(batch.decode_lens[i])                           # start + 1
         starts[row] = (1, keys - 1, batch.decode_tables[i, :math.ceil(keys / block_size)].tolist())

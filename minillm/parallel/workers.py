@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..fast_decode import fuse_projections
+from ..transforms import fuse_projections
 from ..model import Llama
 from ..model_runner import ModelRunner, PagedKVCache
 from ..positions import RopeTable

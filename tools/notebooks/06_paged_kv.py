@@ -12,6 +12,7 @@ import time, math
 import torch
 import matplotlib.pyplot as plt
 from minillm import LLM, SamplingParams
+from minillm.reference import stream_contiguous
 from minillm.block_manager import BlockManager
 from minillm.notebook import start
 device, QUICK = start()                        # cuda when present; prints the machine
@@ -98,7 +99,7 @@ prompt = {"prompt_token_ids": tok.encode(tok.apply_chat_template([{"role": "user
 params = SamplingParams(temperature=0, max_tokens=16 if QUICK else 64, ignore_eos=True)
 paged = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
 (req,) = llm.make_requests([prompt], params)
-for _ in llm.stream_request(req):          # the contiguous-cache path
+for _ in stream_contiguous(llm, req):     # alone on the contiguous cache (minillm/reference.py)
     pass
 print("identical tokens:", paged.token_ids == req.output_token_ids)
 print(paged.text)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import matplotlib.pyplot as plt
 from minillm import LLM, SamplingParams
+from minillm.reference import stream_contiguous
 from minillm.outputs import RequestMetrics
 from minillm.block_manager import BlockManager
 from minillm.request import Request
@@ -98,7 +99,7 @@ r = bb.run_engine(llm, prompts, outputs)
 alone = []
 for p, m in zip(prompts[:3], outputs[:3]):
     (req,) = llm.make_requests([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
-    for _ in llm.stream_request(req):
+    for _ in stream_contiguous(llm, req):      # alone on the contiguous cache (minillm/reference.py)
         pass
     alone.append(req.output_token_ids)
 print("first three requests identical to running alone:", alone == r["tokens"][:3])

@@ -1,0 +1,141 @@
+"""Issue 42's guards: this tree against the last commit before the redesign, side by side, one run.
+
+The previous commit is checked out in a git worktree; each tree runs in its own worker process
+(redesign_worker.py: minillm imported from that tree), both loaded at once and asked in turn, the
+order alternating each round, so that the shared machine's drift hits both sides alike. Per kind
+(fp32, bf16, int8, int4: LLM(dtype=..., quantization=...)):
+  - one prompt through LLM.generate (64 new tokens, greedy): decode tokens/s after the first token,
+    TTFT, and the tokens themselves (fp32: identical, the guard; others: reported);
+  - fp32 and bf16 only: 16 prompts decoding together (the median decode-only step, what bench
+    engine-step reports) and bench batching's workload shape (16 requests, output tokens/s);
+  - perplexity over 4 windows of the evaluation text (equal to within 1e-3 relative);
+  - fp32 with n-gram speculation (k = 4 every step), one prompt whose answer is in the prompt: before,
+    a lone request speculated on the per-request loop (minillm/speculative.py); after, in the engine.
+Warm-up: every measurement runs once per side before the timed rounds (compiles, page faults).
+Medians over the rounds; ratio = after / before.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from . import common
+
+NAME = "redesign"
+BASELINE = "ca3b9d6"            # the last commit before issue 42 (one forward, one engine)
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("redesign_worker.py")
+
+
+class Worker:
+    """A redesign_worker.py process over one source tree."""
+
+    def __init__(self, tree: Path):
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), str(tree)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the worker stopped while answering {cmd} (exit code {self.proc.poll()})")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
+        return answer
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def worktree(commit: str) -> Path:
+    """The commit checked out (detached) beside this repository, created once and reused."""
+    sha = subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", commit], text=True).strip()
+    path = ROOT.parent / f"minillm-{sha}"
+    if not path.exists():
+        subprocess.check_call(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), sha])
+    return path
+
+
+def measure(workers: dict, kind: str, cmds: dict, rounds: int) -> list[dict]:
+    """Every command of `cmds` once per side untimed, then `rounds` rounds in alternating order."""
+    for w in workers.values():
+        w.ask(op="load", kind=kind)
+    for cmd in cmds.values():
+        for w in workers.values():
+            w.ask(**cmd)                                               # warm-up
+    answers = {(side, name): [] for side in workers for name in cmds}
+    order = list(workers)
+    for r in range(rounds):
+        for name, cmd in cmds.items():
+            for side in (order if r % 2 == 0 else order[::-1]):
+                answers[side, name].append(workers[side].ask(**cmd))
+    rows = []
+    for (side, name), runs in answers.items():
+        row = {"kind": kind, "measure": name, "side": side}
+        for key in runs[0]:
+            if key == "tokens":
+                row["tokens"] = runs[-1]["tokens"]
+            else:
+                row[key] = statistics.median(run[key] for run in runs)
+                row[f"all_{key}"] = [run[key] for run in runs]
+        rows.append(row)
+    return rows
+
+
+def summarise(rows: list[dict]) -> dict:
+    by = {(r["kind"], r["measure"], r["side"]): r for r in rows}
+    out = {}
+    for (kind, measure, side), after in by.items():
+        if side != "after":
+            continue
+        before = by[kind, measure, "before"]
+        key = f"{kind}_{measure}"
+        for metric in ("decode_tok_s", "tok_s"):
+            if metric in after:
+                out[f"{key}_{metric}_ratio"] = after[metric] / before[metric]
+        if "ttft_s" in after:
+            out[f"{key}_ttft_ratio"] = after["ttft_s"] / before["ttft_s"]
+        if "perplexity" in after:
+            out[f"{key}_before"], out[f"{key}_after"] = before["perplexity"], after["perplexity"]
+            out[f"{key}_relative_change"] = abs(after["perplexity"] / before["perplexity"] - 1)
+        if "tokens" in after:
+            out[f"{key}_tokens_identical"] = after["tokens"] == before["tokens"]
+    speed = [v for k, v in out.items() if k.endswith("tok_s_ratio")]
+    out["lowest_speed_ratio"] = min(speed)
+    out["fp32_tokens_identical"] = all(v for k, v in out.items() if k.startswith("fp32_") and k.endswith("_identical"))
+    out["perplexity_unchanged"] = all(v < 1e-3 for k, v in out.items() if k.endswith("_relative_change"))
+    return out
+
+
+def run(quick: bool, baseline: str = BASELINE) -> dict:
+    tokens, rounds = (16, 1) if quick else (64, 4)
+    kinds = ["fp32"] if quick else ["fp32", "bf16", "int8", "int4", "fp32-ngram"]
+    workers = {"before": Worker(worktree(baseline)), "after": Worker(ROOT)}
+    rows = []
+    try:
+        for kind in kinds:
+            if kind == "fp32-ngram":
+                rows += measure(workers, kind, {"copy_prompt": dict(op="one", tokens=tokens, copy=True)}, rounds)
+                continue
+            cmds = {"one_prompt": dict(op="one", tokens=tokens),
+                    "perplexity": dict(op="perplexity", windows=1 if quick else 4)}
+            if kind in ("fp32", "bf16"):
+                cmds["batch16"] = dict(op="batch", n=4 if quick else 16, tokens=8 if quick else 32)
+                cmds["workload"] = dict(op="workload", n=4 if quick else 16)
+            rows += measure(workers, kind, cmds, rounds)
+    finally:
+        for w in workers.values():
+            w.close()
+    head = subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], text=True).strip()
+    config = {"before": baseline, "after": f"working tree at {head}", "kinds": kinds, "new_tokens": tokens,
+              "rounds": rounds, "warm_up": "every measurement once per side, untimed",
+              "order": "alternating per round", "num_kv_blocks": 1024, "max_num_seqs": 64}
+    return common.document(NAME, config, rows, summarise(rows))

@@ -1,0 +1,114 @@
+"""The engine's Llama decoder layer, written once.
+
+    h = decoder_layer(h, weights, cos, sin, attention, n_heads, n_kv_heads, eps)     # (N, dim) -> (N, dim)
+
+N rows are the step's new tokens, back to back, whatever requests they belong to (model_runner.py
+builds that flat batch). Only `attention` knows where one request ends and the next begins: it
+receives q, k, v of every row, stores k and v in the paged cache and returns each row's output.
+
+What differs between the ways the engine runs this layer is data, not code:
+- `weights` per layer: (attn_norm, qkv, wo, ffn_norm, gate_up, down). A projection is a tensor
+  (out, in), a packed int8/int4 tuple (quant/cpu_kernels.fused_pack), or any callable x -> y
+  (an nn.Linear, a prepacked GEMM, a tensor-parallel linear that all-reduces, three quantised
+  linears side by side). `project` applies whichever it is. q, k, v come from ONE matrix and
+  gate, up from ONE: fused once, at load time (fast_decode.fuse_projections).
+- `attention`: a closure over the step's attention metadata (model_runner).
+- compiled or not: a decode-only step on CPU runs this same function under torch.compile
+  (compiled_decode_layer below), which turns each layer into a few generated loops; the
+  eager run is op by op.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .positions import apply_rope
+
+
+def compiler_errors() -> tuple[type[BaseException], ...]:
+    """What torch.compile raises when IT fails (tracing, lowering, building the C++), as opposed to
+    an error of the code it runs. Looked up by name: the classes move between torch versions
+    (InductorError is 2.7+); TorchDynamoException covers BackendCompilerFailed, Unsupported,
+    TorchRuntimeError and InternalTorchDynamoError."""
+    import torch._dynamo.exc as dynamo_exc
+    import torch._inductor.exc as inductor_exc
+
+    found = [getattr(dynamo_exc, "TorchDynamoException", None)]
+    found += [getattr(inductor_exc, name, None)
+              for name in ("InductorError", "LoweringException", "CppCompileError", "InvalidCxxCompiler")]
+    return tuple(e for e in found if e is not None)
+
+
+def rowwise_dot(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """weight (out, in), x (in,) -> (out,) in weight's dtype, summed in fp32. Written elementwise
+    then reduced so that Inductor generates one vectorised loop that reads each weight once (a
+    matmul would be handed to the BLAS GEMV, slower for these shapes on the CPUs of lesson 02).
+    Compiled use only: run eagerly it materialises weight * x."""
+    return (weight.float() * x.float()).sum(-1).to(weight.dtype)
+
+
+def project(w, x: torch.Tensor) -> torch.Tensor:
+    """x (N, in) -> (N, out) by the projection w: a tensor (out, in) (one row: the row-wise dot,
+    compiled use only; more: a matmul), a packed int8/int4 tuple (its CPU kernel), or a callable."""
+    if isinstance(w, torch.Tensor):
+        return rowwise_dot(w, x[0])[None] if x.shape[0] == 1 else x @ w.t()
+    if isinstance(w, tuple):
+        from .quant.cpu_kernels import packed_mm
+        return packed_mm(x, *w)
+    return w(x)
+
+
+def decoder_layer(h: torch.Tensor, weights: tuple, rope, attention, n_heads: int, n_kv_heads: int,
+                  eps: float) -> torch.Tensor:
+    """h (N, dim) -> (N, dim): pre-norm attention then a SwiGLU MLP, each added to the residual.
+    rope(x) rotates x (N, H, D) by each row's position (RoPE; positions.apply_rope_complex eagerly,
+    positions.apply_rope under torch.compile, which generates no complex arithmetic);
+    attention(q, k, v) -> (N, Hq, D) with q (N, Hq, D) and k (N, Hkv, D) rotated, v (N, Hkv, D)."""
+    attn_norm, qkv, wo, ffn_norm, gate_up, down = weights
+    N = h.shape[0]
+    Hq, Hkv = n_heads, n_kv_heads
+    x = F.rms_norm(h, attn_norm.shape, attn_norm, eps)                           # (N, dim)
+    qkv_out = project(qkv, x)                                                    # (N, (Hq+2Hkv)*D)
+    D = qkv_out.shape[-1] // (Hq + 2 * Hkv)
+    qk, v = qkv_out.split([(Hq + Hkv) * D, Hkv * D], dim=-1)
+    qk = rope(qk.view(N, Hq + Hkv, D))                                          # (N, Hq+Hkv, D): q, k together
+    out = attention(qk[:, :Hq], qk[:, Hq:], v.view(N, Hkv, D))                   # (N, Hq, D)
+    h = h + project(wo, out.reshape(N, Hq * D))
+    gate, up = project(gate_up, F.rms_norm(h, ffn_norm.shape, ffn_norm, eps)).chunk(2, dim=-1)   # (N, ffn) each
+    return h + project(down, F.silu(gate) * up)
+
+
+def paged_decode_layer(h: torch.Tensor, weights: tuple, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       n_heads: int, n_kv_heads: int, eps: float) -> torch.Tensor:
+    """decoder_layer for a step whose every row is one decode token, with RoPE by cos, sin (N, 1, D/2)
+    and its attention spelled out
+    for torch.compile: each row's k, v written at its slot, then decode attention over the row's
+    blocks read in place (paged_attention.decode_attention_fused). k_cache, v_cache (num_blocks,
+    block_size, Hkv, D): this layer's cache; slots (N,), block_tables (N, n), seq_lens (N,) int64."""
+    from .paged_attention import decode_attention_fused
+
+    def attention(q, k, v):
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))   # (blocks*bs, Hkv, D)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+        return decode_attention_fused(q.contiguous(), k_cache, v_cache, block_tables, seq_lens)
+
+    return decoder_layer(h, weights, lambda x: apply_rope(x, cos, sin), attention, n_heads, n_kv_heads, eps)
+
+
+compiled_rowwise_dot = torch.compile(rowwise_dot)     # the tied LM head of a compiled decode step
+
+# One compiled function serves every layer (all have the same shapes) and every step: the number
+# of blocks per row becomes symbolic (the runner marks it), the rest are constants of the loops.
+compiled_decode_layer = torch.compile(paged_decode_layer)
+# For 2-byte weights, a second build: by default Inductor inlines the normalised input (RMSNorm)
+# into each GEMV loop and recomputes it, with the bf16 -> fp32 conversions, for every ROW;
+# materialising any pointwise result of more than 2 ops once makes the GEMV loop a bare
+# load-convert-multiply-add. Which build is faster depends on the CPU (lesson 02), so the engine's
+# build-time tuning step times both (model_runner.ModelRunner); fp32 takes the default.
+try:
+    compiled_decode_layer_16bit = torch.compile(paged_decode_layer, options={"realize_opcount_threshold": 2})
+except RuntimeError:                      # options are checked at construction: an Inductor without it
+    compiled_decode_layer_16bit = compiled_decode_layer
+DECODE_BUILDS = {"default": compiled_decode_layer, "materialised": compiled_decode_layer_16bit}

@@ -1,0 +1,124 @@
+"""Every request takes one path: LLM -> engine -> runner -> one decoder layer -> one attention backend.
+
+A profiler hook lists the minillm modules a warmed greedy decode enters, from LLM.generate of one
+prompt, of several, and from LLM.stream: the same list, the engine in it, no teaching stage
+(the contiguous cache, the batch-1 fast loop, the per-request speculative loop) on it; and below
+ModelRunner.forward only the runner, the layer (with RoPE), the model's own modules, the GEMM and one
+attention backend.
+"""
+import inspect
+import sys
+
+import pytest
+import torch
+
+from helpers import CharTokenizer, random_prompts
+from minillm import LLM, SamplingParams
+from minillm.model import random_model, tiny_config
+from minillm.model_runner import ModelRunner
+from minillm.reference import stream_contiguous
+
+TEACHING_STAGES = {"minillm.kv_cache", "minillm.fast_decode", "minillm.speculative", "minillm.reference",
+                   "minillm.static_batching"}
+BELOW_THE_RUNNER = {"minillm.model_runner", "minillm.layer", "minillm.positions", "minillm.model", "minillm.prepacked",
+                    "minillm.attention", "minillm.paged_attention"}
+
+
+def modules_entered(fn, below=None) -> set[str]:
+    """minillm modules whose functions are called while fn() runs; below: a code object, then only
+    calls made inside it."""
+    seen, depth = set(), [0]
+
+    def hook(frame, event, arg):
+        if frame.f_code is below:
+            depth[0] += 1 if event == "call" else -1 if event == "return" else 0
+        if event == "call" and (below is None or depth[0] > 0):
+            name = frame.f_globals.get("__name__", "")
+            if name.startswith("minillm"):
+                seen.add(name)
+
+    sys.setprofile(hook)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def warmed():
+    cfg = tiny_config()
+    llm = LLM(model=random_model(cfg, seed=0), tokenizer=CharTokenizer(), max_model_len=128)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 30, 12], cfg.vocab_size)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)                     # compiles, allocates
+    llm.generate(prompts[:1], params, use_tqdm=False)
+    return llm, prompts, params
+
+
+def test_one_prompt_many_prompts_and_stream_enter_the_same_modules(warmed):
+    llm, prompts, params = warmed
+    one = modules_entered(lambda: llm.generate(prompts[:1], params, use_tqdm=False))
+    many = modules_entered(lambda: llm.generate(prompts, params, use_tqdm=False))
+    streamed = modules_entered(lambda: list(llm.stream(prompts[0], params)))
+    assert one == many == streamed
+    assert {"minillm.llm", "minillm.engine", "minillm.scheduler", "minillm.block_manager",
+            "minillm.model_runner", "minillm.layer", "minillm.output_processor"} <= one
+    assert not one & TEACHING_STAGES
+
+
+def test_below_the_runner_only_the_layer_the_model_and_one_attention_backend(warmed):
+    llm, prompts, params = warmed
+    below = modules_entered(lambda: llm.generate(prompts, params, use_tqdm=False), inspect.unwrap(ModelRunner.forward).__code__)
+    assert {"minillm.layer", "minillm.attention", "minillm.paged_attention"} <= below
+    assert below <= BELOW_THE_RUNNER, below - BELOW_THE_RUNNER
+    assert llm.engine.runner.attention.name == "cpu-fused"                     # the one backend of this path
+
+
+def test_one_prompt_decodes_on_the_engines_compiled_step_with_the_tokens_of_every_other_way(warmed):
+    """generate([p]), generate of several, stream(p) and p alone on the contiguous cache: the same
+    greedy tokens in fp32; the lone prompt's decode steps ran the runner's compiled layer."""
+    llm, prompts, params = warmed
+    runner = llm.engine.runner
+    before = runner.compiled_decode_steps
+    (one,) = llm.generate(prompts[:1], params, use_tqdm=False)
+    assert runner.compiled_decode_steps - before == params.max_tokens - 1      # every step after the prompt's
+    many = llm.generate(prompts, params, use_tqdm=False)
+    text = "".join(llm.stream(prompts[0], params))
+    (req,) = llm.make_requests([prompts[0]], params)
+    alone = "".join(stream_contiguous(llm, req))
+    assert one.outputs[0].token_ids == many[0].outputs[0].token_ids == req.output_token_ids
+    assert one.outputs[0].text == text == alone
+
+
+def test_the_compiled_step_falls_back_to_eager_when_the_compiler_fails_and_says_why(monkeypatch):
+    """A compiler failure (not a bug of the step) is recorded on the runner, warned once, and the same
+    layer runs eagerly: the tokens do not change."""
+    cfg = tiny_config()
+    llm = LLM(model=random_model(cfg, seed=1), tokenizer=CharTokenizer(), max_model_len=64, tune_kernels=False)
+    prompt = {"prompt_token_ids": random_prompts([9], cfg.vocab_size)[0]}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    runner = llm.engine.runner
+
+    def broken(*args):
+        raise torch._dynamo.exc.TorchRuntimeError("no C++ compiler")
+    monkeypatch.setattr("minillm.model_runner.DECODE_BUILDS", {"default": broken})
+    with pytest.warns(UserWarning, match="could not build"):
+        got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want and "no C++ compiler" in runner.compile_failed
+
+
+def test_an_error_inside_the_compiled_step_is_the_steps_own(monkeypatch):
+    cfg = tiny_config()
+    llm = LLM(model=random_model(cfg, seed=1), tokenizer=CharTokenizer(), max_model_len=64, tune_kernels=False)
+    prompt = {"prompt_token_ids": random_prompts([9], cfg.vocab_size)[0]}
+
+    def buggy(*args):
+        raise IndexError("a bug in the step, not the compiler")
+    monkeypatch.setattr("minillm.model_runner.DECODE_BUILDS", {"default": buggy})
+    with pytest.raises(IndexError, match="not the compiler"):
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.runner.compile_failed is None
+    assert not llm.engine.requests                                             # aborted, blocks freed
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
