@@ -54,10 +54,12 @@ def test_prompt_logprobs_hold_the_actual_tokens(llm):
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
     with torch.no_grad():
         logp = llm.model(torch.tensor([ids]))[0].log_softmax(-1)
+    # the engine's GEMM library is timed per weight shape at build: oneDNN's fp32 GEMM (chosen on the AMD
+    # VM) sums in another order than F.linear's MKL, so the logprobs agree to fp32 rounding, not bit for bit
     for pos in range(1, len(ids)):
         entry = out.prompt_logprobs[pos]
         assert list(entry) == [ids[pos]]
-        assert math.isclose(entry[ids[pos]].logprob, logp[pos - 1, ids[pos]].item(), abs_tol=1e-5)
+        assert math.isclose(entry[ids[pos]].logprob, logp[pos - 1, ids[pos]].item(), abs_tol=1e-4)
 
 
 def test_logprobs_of_generated_tokens(llm):

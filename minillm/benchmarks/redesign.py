@@ -4,10 +4,10 @@ The previous commit is checked out in a git worktree; each tree runs in its own 
 (redesign_worker.py: minillm imported from that tree), both loaded at once and asked in turn, the
 order alternating each round, so that the shared machine's drift hits both sides alike. Per kind
 (fp32, bf16, int8, int4: LLM(dtype=..., quantization=...)):
-  - one prompt through LLM.generate (64 new tokens, greedy): decode tokens/s after the first token,
+  - one prompt through LLM.generate (48 new tokens, greedy): decode tokens/s after the first token,
     TTFT, and the tokens themselves (fp32: identical, the guard; others: reported);
   - fp32 and bf16 only: 16 prompts decoding together (the median decode-only step, what bench
-    engine-step reports) and bench batching's workload shape (16 requests, output tokens/s);
+    engine-step reports) and bench batching's workload shape (12 requests, output tokens/s);
   - perplexity over 4 windows of the evaluation text (equal to within 1e-3 relative);
   - fp32 with n-gram speculation (k = 4 every step), one prompt whose answer is in the prompt: before,
     a lone request speculated on the per-request loop (minillm/speculative.py); after, in the engine.
@@ -66,6 +66,7 @@ def worktree(commit: str) -> Path:
 
 def measure(workers: dict, kind: str, cmds: dict, rounds: int) -> list[dict]:
     """Every command of `cmds` once per side untimed, then `rounds` rounds in alternating order."""
+    print(f"redesign: {kind}: {', '.join(cmds)}", file=sys.stderr, flush=True)
     for w in workers.values():
         w.ask(op="load", kind=kind)
     for cmd in cmds.values():
@@ -81,8 +82,8 @@ def measure(workers: dict, kind: str, cmds: dict, rounds: int) -> list[dict]:
     for (side, name), runs in answers.items():
         row = {"kind": kind, "measure": name, "side": side}
         for key in runs[0]:
-            if key == "tokens":
-                row["tokens"] = runs[-1]["tokens"]
+            if key in ("tokens", "build_16bit"):
+                row[key] = runs[-1][key]
             else:
                 row[key] = statistics.median(run[key] for run in runs)
                 row[f"all_{key}"] = [run[key] for run in runs]
@@ -116,7 +117,7 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def run(quick: bool, baseline: str = BASELINE) -> dict:
-    tokens, rounds = (16, 1) if quick else (64, 4)
+    tokens, rounds = (16, 1) if quick else (48, 3)
     kinds = ["fp32"] if quick else ["fp32", "bf16", "int8", "int4", "fp32-ngram"]
     workers = {"before": Worker(worktree(baseline)), "after": Worker(ROOT)}
     rows = []
@@ -128,8 +129,8 @@ def run(quick: bool, baseline: str = BASELINE) -> dict:
             cmds = {"one_prompt": dict(op="one", tokens=tokens),
                     "perplexity": dict(op="perplexity", windows=1 if quick else 4)}
             if kind in ("fp32", "bf16"):
-                cmds["batch16"] = dict(op="batch", n=4 if quick else 16, tokens=8 if quick else 32)
-                cmds["workload"] = dict(op="workload", n=4 if quick else 16)
+                cmds["batch16"] = dict(op="batch", n=4 if quick else 16, tokens=8 if quick else 24)
+                cmds["workload"] = dict(op="workload", n=4 if quick else 12)
             rows += measure(workers, kind, cmds, rounds)
     finally:
         for w in workers.values():

@@ -39,7 +39,19 @@ def one_prompt(llm, tokens: int, copy: bool = False) -> dict:
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)[0]
     m = out.metrics
     return {"ttft_s": m.time_to_first_token, "decode_tok_s": 1 / m.time_per_output_token,
-            "tokens": list(out.outputs[0].token_ids)}
+            "tokens": list(out.outputs[0].token_ids), "build_16bit": build_16bit(llm)}
+
+
+def build_16bit(llm) -> str:
+    """Which compiled 2-byte decode build this side runs: the engine's tuned choice (after), or what the
+    contiguous path chose at its first 2-byte step (before); "" for fp32 weights."""
+    if llm.model.embed.weight.element_size() != 2:
+        return ""
+    runner = llm.engine.runner
+    if hasattr(runner, "decode_build"):
+        return runner.decode_build
+    from minillm.fast_decode import chosen_16bit_builds
+    return ",".join(sorted(set(chosen_16bit_builds().values())))
 
 
 def decode_batch(llm, n: int, tokens: int) -> dict:
