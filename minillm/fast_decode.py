@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 from . import transforms
 from .kv_cache import KVCache
-from .layer import compiler_errors
+from .layer import compiled_rowwise_dot, compiler_errors, rowwise_dot as _rowwise_dot
 from .model import Llama, attention_function, check_attention_backend
 from .positions import RopeTable, apply_rope, apply_rope_complex
 
@@ -139,17 +139,10 @@ def quantized_step_ready(model: Llama) -> bool:
 GEMV_MODES = ("auto", "compiled", "mv", "linear")
 
 
-def _rowwise_dot(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """weight (out, in), x (in,) -> (out,) in weight's dtype: each output is one row . x, summed
-    in fp32. Written elementwise-then-reduce so that Inductor generates the loop itself (a
-    matmul here would be handed to the same BLAS kernel as torch.mv)."""
-    return (weight.float() * x.float()).sum(-1).to(weight.dtype)
-
-
 # Default (automatic) dynamic shapes: compiled for the exact shapes first; a size seen to change
 # is made symbolic in one recompile. Weight shapes never change, so the loops over them keep
 # static trip counts (faster than dynamic=True's all-symbolic code; lesson 02 has the numbers).
-_compiled_dot = torch.compile(_rowwise_dot)
+_compiled_dot = compiled_rowwise_dot
 _compiler_broken: str | None = None      # why compiling is unavailable; process-wide: the toolchain is the machine's
 
 
