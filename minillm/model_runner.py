@@ -205,20 +205,20 @@ def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_lo
 
 def _decode_group(members: list[Run], block_size: int, device) -> DecodeGroup:
     """members: the runs of the group's requests. Query t of a request sees its keys 0..start + t
-    (causal within its own new tokens); padded query rows see key 0 only."""
+    (causal within its own new tokens); padded query rows see key 0 only. Built from Python lists,
+    a handful of tensors: at batch 1 this runs every decode step."""
     Tq = max(r.length for r in members)
     tables = block_table_tensor([r.table for r in members]).long()                # (Bg, n)
-    t = torch.arange(Tq)                                                          # (Tq,)
-    lengths = torch.tensor([r.length for r in members])                           # (Bg,)
-    starts = torch.tensor([r.start for r in members])                             # (Bg,)
-    first = torch.tensor([r.row for r in members])                                # (Bg,)
-    real = t[None, :] < lengths[:, None]                                          # (Bg, Tq)
-    rows = first[:, None] + torch.minimum(t[None, :], lengths[:, None] - 1)       # (Bg, Tq)
+    steps = range(Tq)
+    rows = [[r.row + min(t, r.length - 1) for t in steps] for r in members]       # (Bg, Tq)
+    real = [[t < r.length for t in steps] for r in members]                       # (Bg, Tq)
+    visible = torch.tensor([[r.start + (t if t < r.length else 0) for t in steps]
+                            for r in members])                                    # (Bg, Tq) last key seen
     keys = torch.arange(tables.shape[1] * block_size)                             # (n * bs,)
-    visible = starts[:, None] + torch.where(real, t[None, :], 0)                  # (Bg, Tq) last key seen
     mask = keys[None, None, :] <= visible[:, :, None]                             # (Bg, Tq, n * bs)
-    return DecodeGroup(rows.to(device), real.to(device), tables.to(device), mask[:, None].to(device),
-                       (starts + lengths).to(device))
+    seq_lens = torch.tensor([r.start + r.length for r in members])                # (Bg,)
+    return DecodeGroup(torch.tensor(rows, device=device), torch.tensor(real, device=device), tables.to(device),
+                       mask[:, None].to(device), seq_lens.to(device))
 
 
 class Stacked:
@@ -421,8 +421,7 @@ class ModelRunner:
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's cos and sin at each row's position, (N, 1, D/2) each."""
-        rotation = self.rope.rotation[positions][:, None]                # (N, 1, D/2) complex
-        return rotation.real.contiguous(), rotation.imag.contiguous()
+        return self.rope.cos[positions][:, None], self.rope.sin[positions][:, None]
 
     @torch.no_grad()
     def _forward_compiled(self, batch: PagedBatch, build: str) -> torch.Tensor:

@@ -46,10 +46,8 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
 def block_table_tensor(tables: Sequence[Sequence[int]], device: str | torch.device = "cpu") -> torch.Tensor:
     """Pad block tables to one (B, max_blocks) int32 tensor (the padding is never read)."""
     width = max([1, *map(len, tables)])
-    out = torch.zeros(len(tables), width, dtype=torch.int32)
-    for row, table in zip(out, tables):
-        row[:len(table)] = torch.tensor(table, dtype=torch.int32)
-    return out.to(device)
+    padded = [list(table) + [0] * (width - len(table)) for table in tables]
+    return torch.tensor(padded, dtype=torch.int32).reshape(len(tables), width).to(device)
 
 
 def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -47,12 +47,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RopeTable:
-    """RoPE angles for every position up to max_len, computed once, as unit complex numbers:
-    rotation = cos + i sin, (max_len, D/2) complex64."""
+    """RoPE angles for every position up to max_len, computed once: cos and sin (max_len, D/2) fp32
+    (for apply_rope) and the same as unit complex numbers, rotation = cos + i sin (max_len, D/2)
+    complex64 (for apply_rope_complex)."""
 
     def __init__(self, head_dim: int, theta: float, max_len: int, device):
-        cos, sin = rope_cos_sin(torch.arange(max_len, device=device), head_dim, theta)   # (max_len, D/2) each
-        self.rotation = torch.complex(cos, sin)
+        self.cos, self.sin = rope_cos_sin(torch.arange(max_len, device=device), head_dim, theta)
+        self.rotation = torch.complex(self.cos, self.sin)
 
 
 def apply_rope_complex(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:

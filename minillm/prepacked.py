@@ -42,11 +42,22 @@ def libraries_for(weight: torch.Tensor) -> list[str]:
     found = []
     if weight.dtype == torch.float32 and torch._C.has_mkl:
         found.append("mkl")
-    if weight.dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
-        return found                                   # oneDNN's fp16 GEMM needs AVX-512 FP16 or AVX-NE-CONVERT
-    if weight.dtype in (torch.float32, torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available():
+    if onednn_supports(weight.dtype):
         found.append("onednn")
     return found
+
+
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked GEMM runs this dtype on this CPU: fp32 wherever oneDNN is built in;
+    bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, fp16 AVX-512 FP16 or AVX-NE-CONVERT (an AVX2-only
+    CPU such as the AMD EPYC 7003 VM has neither, and F.linear runs those weights unpacked)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return dtype == torch.float32
 
 
 def default_library(weight: torch.Tensor) -> str:
@@ -102,7 +113,8 @@ class PrepackedLinear:
         found = libraries_for(weight)
         if not found:
             raise ValueError(f"cannot prepack a {weight.dtype} weight on {weight.device} here; "
-                             "allowed: fp32 with MKL or oneDNN, bf16/fp16 with oneDNN, on CPU, without grad")
+                             "allowed: fp32 with MKL or oneDNN, bf16/fp16 with oneDNN where this CPU has its "
+                             "instructions, on CPU, without grad")
         if not isinstance(rows, int) or rows < 1:
             raise ValueError(f"rows = {rows!r}; allowed: a positive integer (the expected batch rows)")
         if library not in found:
