@@ -23,19 +23,18 @@ for the last STEP_LOG_LEN steps are kept in engine.step_log for lessons and benc
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import deque
 
 import torch
 
 from .block_manager import BlockManager
-from .cuda_graphs import check_enforce_eager, make_decode_graphs
-from .model_runner import GROUP_COST_BLOCKS, KV_CACHE_DTYPES, ModelRunner, PagedKVCache, build_batch
+from .config import EngineConfig, resolve_num_kv_blocks
+from .cuda_graphs import make_decode_graphs
+from .model_runner import GROUP_COST_BLOCKS, ModelRunner, PagedKVCache, build_batch
 from .request import Request, RequestStatus
 from .scheduler import Scheduler
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30        # 1 GiB of K/V when num_kv_blocks is not given (more blocks with int8)
 STEP_LOG_LEN = 10_000                   # engine.step_log keeps the last this many steps (a server runs for days)
 
 
@@ -48,63 +47,34 @@ class StepLog(deque):
         return super().__getitem__(i)
 
 
-def check_engine_args(llm, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
-                      kv_cache_dtype: str = "auto", enable_chunked_prefill: bool = True) -> int:
-    """Validate the engine's knobs (ValueError naming the argument); returns the number of KV blocks."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype = {kv_cache_dtype!r} is not supported; allowed: "
-                         f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size = {block_size!r} is invalid; allowed: an integer >= 1 (16 is usual)")
-    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} = {value!r} is invalid; allowed: an integer >= 1")
-    # without chunks a preempted request is recomputed as ONE prefill of prompt + output (up to
-    # max_model_len tokens): a smaller step budget could never re-admit it and would block the
-    # queue. vLLM refuses the same (SchedulerConfig._verify_args)
-    if not enable_chunked_prefill and max_num_batched_tokens < llm.max_model_len:
-        raise ValueError(f"max_num_batched_tokens = {max_num_batched_tokens} is smaller than max_model_len = "
-                         f"{llm.max_model_len}; allowed with enable_chunked_prefill=False: max_num_batched_tokens "
-                         f">= max_model_len (a sequence must fit one step); or enable chunked prefill")
-    per_seq = math.ceil(llm.max_model_len / block_size)
-    if num_kv_blocks is None:
-        per_block = PagedKVCache.bytes_per_block(llm.config, block_size, llm.model.embed.weight.dtype, kv_cache_dtype)
-        num_kv_blocks = max(per_seq, DEFAULT_KV_CACHE_BYTES // per_block)
-    if not isinstance(num_kv_blocks, int) or num_kv_blocks < per_seq:
-        raise ValueError(f"num_kv_blocks = {num_kv_blocks!r} is too small; allowed: an integer >= {per_seq} "
-                         f"(one sequence of max_model_len={llm.max_model_len} tokens must fit)")
-    return num_kv_blocks
-
-
 class Engine:
-    def __init__(self, llm, block_size: int = 16, num_kv_blocks: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
-                 kv_cache_dtype: str = "auto", prefix_cache: str = "hash", speculation=None,
-                 enforce_eager: bool = False, triton_on_cpu: bool = False, tune_kernels: bool = True):
-        """enforce_eager False: decode-only steps replay CUDA graphs where the runner uses the Triton
-        paged path (minillm/cuda_graphs.py). triton_on_cpu: that path on CPU under TRITON_INTERPRET=1 (tests).
-        tune_kernels: the build's one timing step (GEMM library per weight shape, ModelRunner); False: defaults."""
+    def __init__(self, llm, config: EngineConfig | None = None, speculation=None, triton_on_cpu: bool = False):
+        """config: the validated EngineConfig (minillm/config.py; None: llm.engine_config), read
+        here and nowhere re-checked. Decode-only steps replay CUDA graphs where the runner uses the
+        Triton paged path and config.run.enforce_eager is False (minillm/cuda_graphs.py).
+        triton_on_cpu: that path on CPU under TRITON_INTERPRET=1 (tests). config.run.tune_kernels:
+        the build's one timing step (GEMM library per weight shape, ModelRunner); False: defaults."""
+        config = llm.engine_config if config is None else config
         cfg, dtype = llm.config, llm.model.embed.weight.dtype
-        num_kv_blocks = check_engine_args(llm, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
-                                          kv_cache_dtype, enable_chunked_prefill)
-        check_enforce_eager(enforce_eager)
+        cache, sched = config.cache, config.scheduler
+        num_kv_blocks = resolve_num_kv_blocks(config, cfg, dtype)
+        self.config = config
         self.llm = llm
         self.output_processor = llm.output_processor
-        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching, prefix_cache)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
-                                   enable_chunked_prefill)
+        self.block_manager = BlockManager(num_kv_blocks, cache.block_size, cache.enable_prefix_caching,
+                                          cache.prefix_cache)
+        self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
+                                   sched.enable_chunked_prefill)
         if getattr(llm, "parallel", None) is None:
-            self.kv = PagedKVCache(cfg, num_kv_blocks, block_size, dtype, llm.device, kv_cache_dtype)
-            self.runner = ModelRunner(llm.model, self.kv, llm.rope, prepack_rows=max_num_seqs,
-                                      triton_on_cpu=triton_on_cpu, tune_kernels=tune_kernels, compile_decode=True,
-                                      attention_backend=llm.attention_backend)
-            if not enforce_eager and speculation is None:     # drafts make multi-token rows: eager
-                self.runner.graphs = make_decode_graphs(self.runner, max_num_seqs,
-                                                        math.ceil(llm.max_model_len / block_size))
+            self.kv = PagedKVCache(cfg, num_kv_blocks, cache.block_size, dtype, llm.device, cache.kv_cache_dtype)
+            self.runner = ModelRunner(llm.model, self.kv, llm.rope, prepack_rows=sched.max_num_seqs,
+                                      triton_on_cpu=triton_on_cpu, tune_kernels=config.run.tune_kernels,
+                                      compile_decode=True, attention_backend=config.run.attention_backend)
+            if not config.run.enforce_eager and speculation is None:     # drafts make multi-token rows: eager
+                self.runner.graphs = make_decode_graphs(self.runner, sched.max_num_seqs, config.blocks_per_sequence)
         else:           # tensor/pipeline parallel: each rank builds its part of the cache (minillm/parallel); no graphs
-            self.kv, self.runner = llm.parallel.start_engine(llm.model, llm.rope, num_kv_blocks, block_size,
-                                                             kv_cache_dtype)
+            self.kv, self.runner = llm.parallel.start_engine(llm.model, llm.rope, num_kv_blocks, cache.block_size,
+                                                             cache.kv_cache_dtype)
         # model_runner.group_by_length, for CPU attention; the GPU kernel takes every row at once
         self.decode_group_cost = None if self.runner.use_triton else GROUP_COST_BLOCKS
         self.requests: dict[str, Request] = {}

@@ -18,12 +18,10 @@ from typing import Iterator
 import torch
 
 from .transforms import fuse_projections
-from .block_manager import check_prefix_cache
-from .cuda_graphs import check_enforce_eager
-from .engine import Engine, check_engine_args
+from .config import EngineConfig, check_model
+from .engine import Engine
 from .speculative_engine import EngineSpeculation
 from .loader import load_model, resolve_device
-from .model import check_attention_backend
 from .output_processor import OutputProcessor
 from .outputs import RequestMetrics, RequestOutput
 from .positions import RopeTable
@@ -46,7 +44,9 @@ class LLM:
                  kv_cache_dtype: str = "auto", prefix_cache: str = "hash", tokenizer=None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  speculative_policy: str = "adaptive", enforce_eager: bool = False, tune_kernels: bool = True):
-        """model: "smollm2", a .gguf path or an HF folder; or an already-built minillm Llama
+        """Every keyword but model and tokenizer goes into one EngineConfig (minillm/config.py),
+        validated there before the model loads: llm.engine_config.
+        model: "smollm2", a .gguf path or an HF folder; or an already-built minillm Llama
         module together with its `tokenizer` (tests use a tiny random model this way).
         prefix_cache: the index enable_prefix_caching uses, "hash" (vLLM's block hashes) or
         "radix" (SGLang's radix tree); "radix" without enable_prefix_caching is refused.
@@ -61,30 +61,17 @@ class LLM:
         (minillm/prepacked.py; recorded in llm.engine.runner.gemm_libraries); False takes the
         recorded default (MKL for fp32: F.linear's bits) and times nothing."""
         from .model import Llama
-        from .quant import METHODS as QUANT_METHODS
 
-        if quantization not in (None, *QUANT_METHODS):
-            raise ValueError(f"quantization = {quantization!r} is not supported; allowed: None, "
-                             f"{', '.join(map(repr, QUANT_METHODS))}")
-        check_prefix_cache(prefix_cache, enable_prefix_caching)         # before the model loads
-        check_enforce_eager(enforce_eager)
-        if not isinstance(tune_kernels, bool):
-            raise ValueError(f"tune_kernels = {tune_kernels!r}; allowed: True or False")
+        self.engine_config = EngineConfig.from_kwargs(
+            dtype=dtype, device=device, max_model_len=max_model_len, attention_backend=attention_backend,
+            quantization=quantization, speculative_method=speculative_method,
+            num_speculative_tokens=num_speculative_tokens, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
+            kv_cache_dtype=kv_cache_dtype, prefix_cache=prefix_cache, tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size, speculative_policy=speculative_policy,
+            enforce_eager=enforce_eager, tune_kernels=tune_kernels)
         self.parallel = None
-        mode, size = _parallel_mode(tensor_parallel_size, pipeline_parallel_size, quantization, speculative_method)
-        if speculative_method is not None:
-            from .speculative import check_args, check_policy
-            check_args(speculative_method, num_speculative_tokens)
-            check_policy(speculative_policy)
-        self.speculative_policy = speculative_policy
-        self.speculative_method = speculative_method
-        self.num_speculative_tokens = num_speculative_tokens
-        if not isinstance(max_model_len, int) or max_model_len < 2:
-            raise ValueError(f"max_model_len = {max_model_len!r} is invalid; allowed: an integer >= 2")
-        self.attention_backend = check_attention_backend(attention_backend)
-        if mode is not None and attention_backend != "sdpa":
-            raise ValueError(f"attention_backend = {attention_backend!r} with tensor/pipeline parallelism is not "
-                             f"supported; allowed with it: 'sdpa' (the worker processes attend with it)")
         self.device = resolve_device(device)
         if isinstance(model, Llama):
             if tokenizer is None:
@@ -92,41 +79,42 @@ class LLM:
             self.model, self.tokenizer = model.to(self.device).eval(), tokenizer
         else:
             self.model, self.tokenizer = load_model(model, dtype=dtype, device=self.device)
-        if max_model_len > self.config.max_seq_len:
-            raise ValueError(f"max_model_len = {max_model_len} exceeds the model's context of "
-                             f"{self.config.max_seq_len} tokens; allowed: 2..{self.config.max_seq_len}")
-        self.max_model_len = max_model_len
+        check_model(self.engine_config, self.config)
         self.output_processor = OutputProcessor(self.tokenizer, max_model_len)
         if quantization is not None:
             self._quantize(quantization)
         elif not any(isinstance(m, QuantLinear) for m in self.model.modules()):   # a model quantised already
             fuse_projections(self.model)      # views: the baseline modules see the same weights
         self.rope = RopeTable(self.config.head_dim, self.config.rope_theta, max_model_len, self.device)
-        self.engine_args = dict(block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens,
-                                enable_chunked_prefill=enable_chunked_prefill,
-                                enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
-                                prefix_cache=prefix_cache, enforce_eager=enforce_eager, tune_kernels=tune_kernels)
-        check_engine_args(self, block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, kv_cache_dtype,
-                          enable_chunked_prefill)
         self._engine = None                  # built on first use: it allocates the KV pool
-        if mode is not None:                 # last, so that no check above can fail with workers running
+        parallel = self.engine_config.parallel
+        if parallel.mode is not None:        # last, so that no check above can fail with workers running
             from .parallel.workers import start
             source = None if isinstance(model, Llama) else str(model)      # how the workers get the weights
-            self.parallel, self.model = start(self.model, source, mode, size, dtype, self.device)
+            self.parallel, self.model = start(self.model, source, parallel.mode, parallel.size, dtype, self.device)
             weakref.finalize(self, self.parallel.close)
             fuse_projections(self.model)     # rank 0's shard or stage: views again, as above
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine_config.scheduler.max_model_len
+
+    @property
+    def speculative_method(self) -> str | None:
+        return self.engine_config.speculative.method
+
+    @property
+    def attention_backend(self) -> str:
+        return self.engine_config.run.attention_backend
 
     @property
     def engine(self) -> Engine:
         """The continuous batching engine (lesson 07) that generate() runs on, over a paged KV cache.
         Built again if the model was swapped (e.g. for a converted or quantised one)."""
         if self._engine is None or self._engine.runner.model is not self.model:
-            speculation = None
-            if self.speculative_method is not None:
-                speculation = EngineSpeculation(self, self.speculative_method, self.num_speculative_tokens,
-                                                self.speculative_policy)
-            self._engine = Engine(self, **self.engine_args, speculation=speculation)
+            spec = self.engine_config.speculative
+            speculation = None if spec.method is None else EngineSpeculation(self, spec)
+            self._engine = Engine(self, self.engine_config, speculation=speculation)
         return self._engine
 
     def close(self) -> None:
@@ -259,20 +247,3 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-
-def _parallel_mode(tensor_parallel_size, pipeline_parallel_size, quantization, speculative_method):
-    """-> ("tensor" | "pipeline" | None, size), checked before anything loads."""
-    for name, value in (("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} = {value!r} is invalid; allowed: an integer >= 1")
-    if tensor_parallel_size > 1 and pipeline_parallel_size > 1:
-        raise ValueError(f"tensor_parallel_size = {tensor_parallel_size} with pipeline_parallel_size = "
-                         f"{pipeline_parallel_size} is not supported; allowed: one of them > 1")
-    size = max(tensor_parallel_size, pipeline_parallel_size)
-    if size == 1:
-        return None, 1
-    if quantization is not None or speculative_method is not None:
-        raise ValueError("tensor/pipeline parallelism runs the unquantised model on the batching engine; allowed "
-                         "with it: quantization=None and speculative_method=None")
-    return ("tensor" if tensor_parallel_size > 1 else "pipeline"), size

@@ -28,7 +28,8 @@ def stream_contiguous(llm, req: Request) -> Iterator[str]:
     text after every token."""
     if llm.speculative_method is not None:
         from .speculative import SpecStats, speculative_stream
-        yield from speculative_stream(llm, req, llm.speculative_method, llm.num_speculative_tokens, SpecStats())
+        spec = llm.engine_config.speculative
+        yield from speculative_stream(llm, req, spec.method, spec.num_speculative_tokens, SpecStats())
         return
     room = min(llm.max_model_len, len(req.prompt_token_ids) + req.params.max_tokens)
     cache = KVCache(llm.config, 1, room, llm.model.embed.weight.dtype, llm.device)

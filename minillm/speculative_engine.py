@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from .speculative import (ModelDraft, NgramDraft, StepCostModel, check_args, check_policy, estimate_alpha,
+from .speculative import (ModelDraft, NgramDraft, StepCostModel, estimate_alpha,
                           expected_tokens_per_call, make_draft, plan_draft_lengths, verify)
 
 
@@ -59,12 +59,13 @@ def crossover_batch(alpha: float, k: int, ridge_tokens: float) -> float:
 class EngineSpeculation:
     """The engine's speculative decoding: proposers, the policy, verification, statistics."""
 
-    def __init__(self, llm, method: str, k: int, policy: str = "adaptive"):
-        check_args(method, k)
-        check_policy(policy)
-        self.llm, self.method, self.k, self.policy = llm, method, k, policy
+    def __init__(self, llm, config):
+        """config: a config.SpeculativeConfig with a method (validated there)."""
+        if config.method is None:
+            raise ValueError("EngineSpeculation needs a SpeculativeConfig with a method; got method=None")
+        self.llm, self.method, self.k, self.policy = llm, config.method, config.num_speculative_tokens, config.policy
         self.cost = StepCostModel()
-        self.ngram = NgramDraft() if method == "ngram" else None
+        self.ngram = NgramDraft() if self.method == "ngram" else None
         self.drafted = self.accepted = self.rejections = self.verify_runs = 0
         self.draft_seconds = 0.0
 

@@ -73,7 +73,7 @@ def test_decode_batch_takes_the_cuda_graph_path():
 
     llm = ge.make_llm(random_model(tiny_config(), seed=0), "cpu", eager=False, max_model_len=10, max_num_seqs=4,
                       num_kv_blocks=9, block_size=4)
-    engine = Engine(llm, **llm.engine_args, triton_on_cpu=True)
+    engine = Engine(llm, triton_on_cpu=True)
     runner = engine.runner
     with pytest.raises(ValueError, match="exceed the KV pool's 9 blocks"):
         ge.decode_batch(runner, 4, 8, engine.decode_group_cost)              # 4 rows x 3 blocks of 4 positions

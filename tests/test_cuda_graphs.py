@@ -27,6 +27,7 @@ from minillm.model import random_model, tiny_config
 from minillm.model_runner import ModelRunner, PagedKVCache, build_batch
 from minillm.positions import RopeTable
 from minillm.speculative_engine import EngineSpeculation
+from minillm.config import SpeculativeConfig
 
 CUDA = torch.cuda.is_available()
 interpreter = pytest.mark.skipif(not INTERPRETED, reason="the Triton path on CPU needs TRITON_INTERPRET=1")
@@ -45,7 +46,7 @@ def tiny_llm(device="cpu", triton_on_cpu=False, **kwargs):
     llm = LLM(model=random_model(tiny_config(), seed=0), tokenizer=CharTokenizer(), device=device,
               max_model_len=256, **kwargs)
     if triton_on_cpu:          # the engine the LLM would build, on the Triton path on CPU
-        llm._engine = Engine(llm, **llm.engine_args, triton_on_cpu=True)
+        llm._engine = Engine(llm, triton_on_cpu=True)
     return llm
 
 
@@ -305,8 +306,8 @@ def test_quantised_kv_and_speculation_fall_back_to_eager():
     prompts, params = workload(llm.config.vocab_size, [5, 9], [4, 4])
     assert all(len(t) == 4 for t in tokens(llm.generate(prompts, params, use_tqdm=False)))
     llm = tiny_llm(speculative_method="ngram")
-    spec = EngineSpeculation(llm, "ngram", 3)
-    engine = Engine(llm, **llm.engine_args, speculation=spec, triton_on_cpu=True)
+    spec = EngineSpeculation(llm, SpeculativeConfig("ngram", 3))
+    engine = Engine(llm, speculation=spec, triton_on_cpu=True)
     assert engine.runner.use_triton and engine.runner.graphs is None
 
 

@@ -36,7 +36,7 @@ def tiny_llm(device, **kwargs):
     llm = LLM(model=random_model(tiny_config(), seed=0), tokenizer=CharTokenizer(),
               device="cuda" if device == "cuda" else "cpu", max_model_len=kwargs.pop("max_model_len", 256), **kwargs)
     if device == "cpu-interpreter":       # the engine the LLM would build, on the Triton path on CPU
-        llm._engine = Engine(llm, **llm.engine_args, triton_on_cpu=True)
+        llm._engine = Engine(llm, triton_on_cpu=True)
     return llm
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from helpers import CharTokenizer
+from minillm.config import EngineConfig
 from minillm import LLM, SamplingParams
 from minillm.output_processor import OutputProcessor
 from minillm.reference import stream_contiguous
@@ -77,9 +78,9 @@ class TinyLLM(LLM):
 
     def __init__(self, model):
         self.device, self.model, self.tokenizer = torch.device("cpu"), model, CharTokenizer()
-        self.max_model_len, self.attention_backend = 256, "sdpa"
-        self.speculative_method = None           # the plain runner; speculative_stream is called directly
-        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.engine_config = EngineConfig.from_kwargs(max_model_len=256)   # no speculative_method: the plain
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)   # runner; speculative_stream
+                                                                           # is called directly
 
 
 tiny_llm = TinyLLM

@@ -289,7 +289,7 @@ def run(quick: bool, dtype: str = "bfloat16", workload: str = "main", json_path:
 
     def engine(**args):
         """An LLM on base's weights with other engine settings."""
-        return LLM(model=base.model, tokenizer=base.tokenizer, device="cpu", **dict(base.engine_args, **args))
+        return LLM(model=base.model, tokenizer=base.tokenizer, **{**base.engine_config.to_kwargs(), "device": "cpu", **args})
 
     # warm-up: one short request through every path (two for the compiled decode step: the
     # second cache size makes its shapes dynamic, so the timed runs do not recompile)
