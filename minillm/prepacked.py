@@ -26,11 +26,11 @@ Measured in results/engine-step.json (bench engine-step, prepacked vs not on the
 """
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Iterable
 
 import torch
+
+from .timing import time_median
 
 TIMED_CALLS = 5
 
@@ -76,13 +76,7 @@ def library_key(weight: torch.Tensor, rows: int) -> str:
 
 def seconds_per_call(packed: "PrepackedLinear", x: torch.Tensor) -> float:
     """Median wall-clock seconds of packed(x) over TIMED_CALLS calls, after one warm-up call."""
-    packed(x)
-    times = []
-    for _ in range(TIMED_CALLS):
-        t0 = time.perf_counter()
-        packed(x)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time_median(lambda: packed(x), repeats=TIMED_CALLS)
 
 
 def choose_libraries(weights: Iterable[torch.Tensor], rows: int, tune: bool = True) -> dict[str, str]:

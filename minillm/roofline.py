@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .benchmarks.common import time_median
+from .timing import time_median
 from .model import ModelConfig
 
 # Published peak figures from NVIDIA's datasheets: dense bf16 Tensor Core FLOP/s (the sheets' larger

@@ -122,3 +122,26 @@ def test_an_error_inside_the_compiled_step_is_the_steps_own(monkeypatch):
     assert llm.engine.runner.compile_failed is None
     assert not llm.engine.requests                                             # aborted, blocks freed
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+# The course tooling that drives benchmarks (the CLI, the demo, figures, notebooks' helpers); everything
+# else in minillm/ is the library, which must not reach into minillm.benchmarks.
+TOOLING = {"__main__.py", "demo.py", "figures.py", "notebook.py"}
+
+
+def test_the_library_does_not_import_the_benchmarks():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "minillm"
+    offenders = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "benchmarks" or str(rel) in TOOLING:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [f"{node.module or ''}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else []
+            if any("benchmarks" in n.split(".") for n in names):
+                offenders.append(f"{rel}:{node.lineno}")
+    assert not offenders, f"library modules importing minillm.benchmarks: {offenders}"

@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
-import time
 from pathlib import Path
-from typing import Callable
 
 import torch
+
+from ..timing import sync, time_median  # noqa: F401  (benchmarks time with the library's clock)
 
 
 def quick_mode() -> bool:
@@ -53,26 +52,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def sync(device: str | torch.device | None = None) -> None:
-    if torch.cuda.is_available() and (device is None or str(device).startswith("cuda")):
-        torch.cuda.synchronize()
-
-
-def time_median(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
-                device: str | torch.device | None = None) -> float:
-    """Median wall-clock seconds of fn() over `repeats` runs after `warmup` runs."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def document(name: str, config: dict, results: list, summary: dict) -> dict:
