@@ -276,7 +276,10 @@ class ModelRunner:
         self.compiled_decode_steps = 0          # tests prove the compiled decode step ran
         self.compile_failed: str | None = None  # why torch.compile could not build here: eager from then on
         self.attention = make_backend(choose_backend(kv, triton_on_cpu), kv, attention_backend, self._run)
-        self.layer_weights, self.packed_head = self._eager_weights(prepack_rows, tune_kernels)
+        self.prepacking = prepack_rows is not None and self.fused and kv.k.device.type == "cpu"
+        if self.prepacking:                     # the build's one GEMM timing step (or the recorded defaults)
+            self.gemm_libraries = prepacked.choose_libraries(self._prepackable_weights(), prepack_rows, tune_kernels)
+        self.layer_weights, self.packed_head = self._eager_weights(prepack_rows, self.gemm_libraries)
         self.decode_weights = self._compiled_weights() if compile_decode and self.attention.name == "cpu-fused" else None
         self.decode_build = "default"           # layer.DECODE_BUILDS key: the compiled step's build
         if self.decode_weights is not None and model.embed.weight.element_size() == 2 and tune_kernels:
@@ -284,26 +287,27 @@ class ModelRunner:
 
     def drop_prepacked(self) -> None:
         """Run on plain F.linear from now on (frees the packed copies; bench engine-step compares)."""
-        self.layer_weights, self.packed_head = self._eager_weights(None, False)
+        self.prepacking, self.gemm_libraries = False, {}
+        self.layer_weights, self.packed_head = self._eager_weights(None, {})
 
     # --- the weights each layer is run with (layer.decoder_layer's `weights`) -------------------
-    def _eager_weights(self, rows: int | None, tune: bool) -> tuple[list, prepacked.PrepackedLinear | None]:
-        """-> per layer (attn_norm, qkv, wo, ffn_norm, gate_up, down) for the eager forward, each
-        projection prepacked (CPU, `rows` given), an int8/int4 pack, or the module itself; and the
-        prepacked tied LM head or None."""
+    def _prepackable_weights(self) -> list[torch.Tensor]:
+        """The weights prepacking may lay out: every bias-free fused projection and the tied LM head."""
         model = self.model
-        self.prepacking = rows is not None and self.fused and self.kv.k.device.type == "cpu"
-        if self.prepacking:
-            linears = [(layer.attn.wqkv, layer.attn.wo, layer.ffn.w_gate_up, layer.ffn.w_down) for layer in model.layers]
-            weights = [m.weight for ms in linears for m in ms if type(m) is torch.nn.Linear and m.bias is None]
-            head = model.embed.weight if model.lm_head is None else None
-            self.gemm_libraries = prepacked.choose_libraries(weights + ([head] if head is not None else []), rows, tune)
-            packed_head = None if head is None else prepacked.prepack_or_none(head, rows, self.gemm_libraries)
-        else:
-            self.gemm_libraries, packed_head = {}, None
+        linears = [(layer.attn.wqkv, layer.attn.wo, layer.ffn.w_gate_up, layer.ffn.w_down) for layer in model.layers]
+        weights = [m.weight for ms in linears for m in ms if type(m) is torch.nn.Linear and m.bias is None]
+        return weights + ([model.embed.weight] if model.lm_head is None else [])
+
+    def _eager_weights(self, rows: int | None, libraries: dict[str, str]) -> tuple[list, prepacked.PrepackedLinear | None]:
+        """-> per layer (attn_norm, qkv, wo, ffn_norm, gate_up, down) for the eager forward, each
+        projection prepacked for `rows` rows by the library `libraries` names for its shape (empty:
+        none), an int8/int4 pack, or the module itself; and the prepacked tied LM head or None."""
+        model = self.model
+        head = model.embed.weight if model.lm_head is None else None
+        packed_head = prepacked.prepack_or_none(head, rows, libraries) if libraries and head is not None else None
 
         def eager(module):
-            found = prepacked.prepack_or_none(module, rows, self.gemm_libraries) if self.gemm_libraries else None
+            found = prepacked.prepack_or_none(module, rows, libraries) if libraries else None
             if found is not None:                                        # NEW: prepacked
                 return found
             return functools.partial(gemv_linear, module) if type(module) is torch.nn.Linear else module

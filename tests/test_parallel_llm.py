@@ -172,6 +172,29 @@ def test_driver_interrupted_or_killed_leaves_no_worker_process():
             driver.kill()
 
 
+UNGUARDED = textwrap.dedent("""
+    import sys
+    sys.path[:0] = [{root!r}, {tests!r}]
+    from helpers import CharTokenizer
+    from minillm import LLM
+    from minillm.model import random_model, tiny_config
+    LLM(model=random_model(tiny_config()), tokenizer=CharTokenizer(), max_model_len=512, device="cpu",
+        tensor_parallel_size=2)
+""")
+
+
+def test_a_script_without_a_main_guard_fails_at_once_and_says_why(tmp_path):
+    """A spawned worker imports the main module again; a script that builds a parallel LLM at import
+    time makes that worker die before it joins. Rank 0 must say so, not wait out the rendezvous."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED.format(root=str(ROOT), tests=str(ROOT / "tests")))
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "exited with code" in run.stderr and 'if __name__ == "__main__":' in run.stderr
+    assert time.monotonic() - t0 < 60
+
+
 HELD_OUT = ["The three primary colours are", "def fibonacci(n):", "Water boils at a temperature of",
             "Once upon a time, in a small village by the sea,"]
 

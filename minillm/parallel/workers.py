@@ -42,6 +42,7 @@ from .tensor import shard_model
 
 MODES = ("tensor", "pipeline")
 TIMEOUT = timedelta(minutes=30)           # a collective waits this long for a silent peer
+JOINED = "minillm/joined"                 # store counter: spawned workers that reached rank 0's store
 
 
 def backend_for(device: torch.device) -> str:
@@ -117,13 +118,15 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _worker_main(rank: int, size: int, init_method: str, mode: str, source: tuple, dtype: str, device: str,
+def _worker_main(rank: int, size: int, port: int, mode: str, source: tuple, dtype: str, device: str,
                  threads: int, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C reaches the whole process group: the driver decides
     _watch_parent(parent_pid)
     torch.set_num_threads(threads)
     device = torch.device(device if device == "cpu" else f"cuda:{rank}")
-    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=size, timeout=TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=TIMEOUT)
+    store.add(JOINED, 1)                                # rank 0 counts these while it watches for dead workers
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size, timeout=TIMEOUT)
     try:
         serve(part_of(_load(source, dtype, device), mode, rank, size), mode, rank, size)
     except Exception:                                   # the driver sees the broken connection; say why here
@@ -246,24 +249,41 @@ def start(model: Llama, name: str | None, mode: str, size: int, dtype: str,
     if dist.is_initialized():
         raise ValueError("a tensor- or pipeline-parallel LLM is already running in this process; close() it first")
     part = part_of(model, mode, 0, size)                # checks the size before any process starts
-    port, ctx = free_port(), mp.get_context("spawn")
-    init = f"tcp://127.0.0.1:{port}"
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
     threads = max(1, torch.get_num_threads() // size)
     source = model_source(model, name)
     processes = [ctx.Process(target=_worker_main, daemon=True, name=f"minillm-{mode}-rank{rank}",
-                             args=(rank, size, init, mode, source, dtype, str(device.type), threads, os.getpid()))
+                             args=(rank, size, store.port, mode, source, dtype, str(device.type), threads, os.getpid()))
                  for rank in range(1, size)]
     for p in processes:
         p.start()
     workers = Workers(mode, size, processes, spawned=True, threads=torch.get_num_threads())
     try:
-        dist.init_process_group(backend_for(device), init_method=init, rank=0, world_size=size, timeout=TIMEOUT)
+        _wait_until_joined(store, processes, mode)
+        dist.init_process_group(backend_for(device), store=store, rank=0, world_size=size, timeout=TIMEOUT)
     except BaseException:
         workers.broken = True
         workers.close()
         raise
     torch.set_num_threads(threads)
     return workers, part
+
+
+def _wait_until_joined(store: dist.TCPStore, processes: list, mode: str) -> None:
+    """Until every spawned worker has reached the store. A worker that exits before that fails the
+    start at once, where the rendezvous alone would wait TIMEOUT for it."""
+    deadline = time.monotonic() + TIMEOUT.total_seconds()
+    while store.add(JOINED, 0) < len(processes):
+        dead = next((p for p in processes if p.exitcode is not None), None)
+        if dead is not None:
+            raise RuntimeError(
+                f"{mode}-parallel worker {dead.name} exited with code {dead.exitcode} before joining the group "
+                "(its error is printed above). The workers are spawned: each imports the main module again, so "
+                "a script must build a parallel LLM under `if __name__ == \"__main__\":`")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the {mode}-parallel workers did not join within {TIMEOUT}")
+        time.sleep(0.05)
 
 
 def _join_torchrun(model, mode: str, size: int, device: torch.device) -> tuple[Workers, Llama]:
