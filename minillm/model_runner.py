@@ -462,8 +462,7 @@ def _packs(modules, model: Llama):
     from .quant.linear import QuantLinear
 
     dtype = model.embed.weight.dtype
-    if not cpu_kernels._enabled or model.embed.weight.device.type != "cpu" \
-            or not all(type(m) is QuantLinear for m in modules):
+    if model.embed.weight.device.type != "cpu" or not all(type(m) is QuantLinear and m.use_cpu_kernel for m in modules):
         return None
     pack = cpu_kernels.fused_pack(modules, dtype)
     return None if pack is None else PackedProjection(pack, modules, cpu_kernels.KERNEL_MAX_ROWS.get(dtype, 0))

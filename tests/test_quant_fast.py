@@ -96,7 +96,7 @@ def test_fast_path_equals_reference_within_dtype_bound(monkeypatch, kernel_calls
         with torch.no_grad():
             fast = layer(x)
             assert len(kernel_calls) == 1
-            with cpu_kernels.reference_path():
+            with cpu_kernels.reference_path(layer):
                 ref = layer(x)
             assert len(kernel_calls) == 1 and torch.equal(ref, layer.forward_reference(x))
         kernel_calls.clear()
@@ -200,7 +200,7 @@ def test_generate_greedy_fast_equals_reference(kernel_calls, method, kw, dtype, 
     prompts = PROMPTS[:n_prompts]
     fast = generate_greedy(model, prompts, N_TOKENS)
     assert len(kernel_calls) >= 7 * model.cfg.n_layers * (N_TOKENS - 1)   # every decode step, every layer
-    with cpu_kernels.reference_path():
+    with cpu_kernels.reference_path(model):
         assert generate_greedy(model, prompts, N_TOKENS) == fast
 
 
@@ -212,9 +212,11 @@ def test_engine_fast_equals_reference(kernel_calls):
     params = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
     fast = [o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)]
     assert llm._engine is not None and len(kernel_calls) > 0
-    with cpu_kernels.reference_path():
-        ref = [o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)]
-    assert fast == ref
+    kernel_calls.clear()
+    with cpu_kernels.reference_path(llm.model):                       # an engine built without the packs
+        reference = LLM(model=llm.model, tokenizer=CharTokenizer(), device="cpu", max_model_len=64)
+        ref = [o.outputs[0].token_ids for o in reference.generate(requests, params, use_tqdm=False)]
+    assert fast == ref and kernel_calls == []
 
 
 def test_save_load_roundtrip_runs_the_fast_path(tmp_path, kernel_calls):
@@ -248,7 +250,7 @@ def test_llm_batch1_decode_runs_the_compiled_step_on_packed_weights(method, dtyp
     assert runner.compiled_decode_steps == N_TOKENS - 1                      # every decode token, one row
     packs = runner.decode_weights
     assert len(packs) == llm.config.n_layers and all(isinstance(w, tuple) for w in packs[0][1:3] + packs[0][4:])
-    with cpu_kernels.reference_path():                                     # dequantise + F.linear, eager
+    with cpu_kernels.reference_path(llm.model):                            # dequantise + F.linear, eager
         reference = LLM(model=llm.model, tokenizer=CharTokenizer(), device="cpu", max_model_len=64)
         assert reference.engine.runner.decode_weights is None
         assert llm_tokens(reference) == fast
@@ -277,7 +279,7 @@ def test_gptq_act_order_layers_sharing_an_input_share_one_permutation():
     fast = llm_tokens(llm)
     runner = llm.engine.runner
     assert runner.compiled_decode_steps == N_TOKENS - 1 and runner.decode_weights[0][1][3] is not None   # the perm
-    with cpu_kernels.reference_path():
+    with cpu_kernels.reference_path(llm.model):
         reference = LLM(model=llm.model, tokenizer=CharTokenizer(), device="cpu", max_model_len=64)
         assert llm_tokens(reference) == fast
 

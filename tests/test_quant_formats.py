@@ -161,7 +161,7 @@ def test_quant_linear_computes_x_times_dequantised_weight(method, kw, dtype):
     q = quantize_linear(lin, method, **kw)
     x = torch.randn(3, 5, 192, generator=torch.Generator().manual_seed(1)).to(dtype)
     expected = F.linear(x, q.dequantize().to(dtype), lin.bias.to(dtype))
-    with cpu_kernels.reference_path():      # the definition; the CPU kernels: tests/test_quant_fast.py
+    with cpu_kernels.reference_path(q):     # the definition; the CPU kernels: tests/test_quant_fast.py
         assert q(x).dtype == dtype and torch.equal(q(x), expected)
     rel = (q.dequantize() - lin.weight).norm() / lin.weight.norm()
     assert rel < {"int8": 0.01, "int4": 0.2, "nf4": 0.12}[method]
@@ -214,7 +214,7 @@ def test_quantize_model_equals_the_dequantised_float_model_and_save_load_roundtr
     # the very operation the float reference runs on the same weights, so every logit is bit-identical.
     # (The CPU kernels and the GPU's fused W4A16 kernel sum in another order: tests/test_quant_fast.py
     # and tests/test_quant_w4a16.py bound those.)
-    with cpu_kernels.reference_path():
+    with cpu_kernels.reference_path(model):
         out = model(ids)
         assert torch.equal(out, dequantised(ids))
         path = save_quantized(model, tmp_path / "q.safetensors")

@@ -118,7 +118,7 @@ def speed(models: dict, tokenizer, cfg: dict) -> dict:
     from ..quant.linear import QuantLinear
     from ..sampling import SamplingParams
 
-    llms, step_bytes = {}, {}
+    llms, references, step_bytes = {}, {}, {}
     for key, model in models.items():
         quantised = any(isinstance(m, QuantLinear) for m in model.modules())
         if quantised:
@@ -126,15 +126,18 @@ def speed(models: dict, tokenizer, cfg: dict) -> dict:
         step_bytes[key] = decode_step_bytes(model)                    # before LLM adds fused views
         kernels = any(isinstance(m, QuantLinear) and m.cpu_unsupported is None for m in model.layers.modules())
         llms[key] = (LLM(model=model, tokenizer=tokenizer, device="cpu", max_num_batched_tokens=64), kernels)
+        if kernels:         # the reference side: its own LLM, whose engine is built (and always run) in reference_path
+            references[key] = LLM(model=model, tokenizer=tokenizer, device="cpu", max_num_batched_tokens=64)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is a quantised model?"}])
     params = SamplingParams(temperature=0, max_tokens=cfg["decode_tokens"], ignore_eos=True)
     runs = [(key, path) for key, (_, q) in llms.items() for path in (("fast", "reference") if q else ("fast",))]
     times = {run: [] for run in runs}
     for round_ in range(cfg["decode_repeats"] + 1):                # round 0: warm-up (compiles)
         for key, path in runs:
-            with reference_path() if path == "reference" else contextlib.nullcontext():
+            llm = references[key] if path == "reference" else llms[key][0]
+            with reference_path(llm.model) if path == "reference" else contextlib.nullcontext():
                 t0 = time.perf_counter()
-                out = llms[key][0].generate([prompt], params, use_tqdm=False)
+                out = llm.generate([prompt], params, use_tqdm=False)
                 if round_:
                     times[(key, path)].append(time.perf_counter() - t0)
             assert len(out[0].outputs[0].token_ids) == cfg["decode_tokens"]
@@ -145,8 +148,8 @@ def speed(models: dict, tokenizer, cfg: dict) -> dict:
         ppl = {"fast": perplexity(llm, window=cfg["window"], max_windows=cfg["chunked_windows"])}
         if kernels:
             row["decode_tok_s_reference"] = cfg["decode_tokens"] / statistics.median(times[(key, "reference")])
-            with reference_path():
-                ppl["reference"] = perplexity(llm, window=cfg["window"], max_windows=cfg["chunked_windows"])
+            with reference_path(llm.model):
+                ppl["reference"] = perplexity(references[key], window=cfg["window"], max_windows=cfg["chunked_windows"])
             row["ppl_chunked_reference"] = ppl["reference"]
             row["ppl_fast_vs_reference_pct"] = 100 * (ppl["fast"] / ppl["reference"] - 1)
         row["ppl_chunked"] = ppl["fast"]
@@ -156,10 +159,11 @@ def speed(models: dict, tokenizer, cfg: dict) -> dict:
     best = max(floats, key=lambda r: r["decode_tok_s"])
     for r in rows:
         r["vs_faster_float"] = r["decode_tok_s"] / best["decode_tok_s"]
-    from ..fast_decode import chosen_16bit_builds
     return {"faster_float": best["method"], "results": rows,
             "vs_faster_float": {r["method"]: r["vs_faster_float"] for r in rows},
-            "builds_16bit": chosen_16bit_builds()}        # the compiled 2-byte step this machine chose
+            "builds_16bit": {key: llm.engine.runner.decode_build    # the engine's compiled 2-byte step, as its
+                             for key, (llm, _) in llms.items()      # build-time tuning chose it
+                             if llm.model.embed.weight.element_size() == 2}}
 
 
 def engine_throughput(models: dict, tokenizer, cfg: dict) -> dict:

@@ -56,19 +56,22 @@ INT4_KERNEL_GROUPS = (256, 128, 64, 32)            # group sizes _weight_int4pac
 INT4_ROW_BLOCK = 16                                # _convert_weight_to_int4pack_for_cpu packs 16 rows at a time
 INT4_KERNEL_ZERO = 8                               # the code the int4 kernel subtracts: (q - 8) * s + o
 
-_enabled = True
-
 
 @contextlib.contextmanager
-def reference_path():
-    """Inside the block every QuantLinear on a CPU takes the reference path (dequantise, then
-    F.linear): what the fast path is tested and benchmarked against."""
-    global _enabled
-    before, _enabled = _enabled, False
+def reference_path(model: torch.nn.Module):
+    """Inside the block every QuantLinear of `model` (itself one, or any module holding them) takes
+    the reference path on a CPU (dequantise, then F.linear): what the fast path is tested and
+    benchmarked against. The switch is each layer's own use_cpu_kernel, restored on exit; an engine
+    lays out its packs when it is built, so build the reference LLM's engine inside the block."""
+    layers = [m for m in model.modules() if hasattr(m, "use_cpu_kernel")]
+    before = [m.use_cpu_kernel for m in layers]
+    for m in layers:
+        m.use_cpu_kernel = False
     try:
         yield
     finally:
-        _enabled = before
+        for m, was in zip(layers, before):
+            m.use_cpu_kernel = was
 
 
 def unsupported(layer) -> str | None:
@@ -93,7 +96,7 @@ def kernel_group(group_size: int, in_features: int) -> int | None:
 def applies(layer, x: torch.Tensor) -> bool:
     """The fast path runs for a CPU activation of a kernel dtype with at most KERNEL_MAX_ROWS rows,
     outside autograd (the kernels have no backward), on a layer whose format a kernel handles."""
-    return (_enabled and layer.cpu_unsupported is None and x.device.type == "cpu" and not x.requires_grad
+    return (layer.use_cpu_kernel and layer.cpu_unsupported is None and x.device.type == "cpu" and not x.requires_grad
             and x.numel() <= KERNEL_MAX_ROWS.get(x.dtype, 0) * x.shape[-1])
 
 

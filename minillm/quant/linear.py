@@ -40,6 +40,7 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, t.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.cpu_unsupported = cpu_kernels.unsupported(self)   # None: a CPU kernel handles this layer
+        self.use_cpu_kernel = True                             # False: the reference path (cpu_kernels.reference_path)
         self._cpu_packs = {}                                   # activation dtype -> cpu_kernels.Packed
 
     @classmethod
