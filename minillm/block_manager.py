@@ -17,26 +17,33 @@ and the model runner holds them as k_cache, v_cache of shape (num_blocks, block_
 per layer.
 
 API (driven by a scheduler, vLLM v1 style: each request's num_computed_tokens catches up
-with its num_tokens; preemption by recompute is free() and a later allocate()):
+with its num_tokens; preemption by recompute is free() and a later allocate()). The Request
+(minillm/request.py) is the one record of a request's tokens and computed count: the block
+manager reads them from it and keeps, per request_id, only what it owns, the block table and
+the prefix-cache registration. Calls that read tokens or the count take the Request; calls
+that only touch the table take its request_id.
 
     bm = BlockManager(num_blocks, block_size=16, enable_prefix_caching=False, prefix_cache="hash")
         # prefix_cache: the index of cached blocks, "hash" (vLLM's chained block hashes,
         # minillm/prefix_cache.py) or "radix" (SGLang's radix tree, minillm/radix_cache.py)
-    bm.can_allocate(prompt_ids) -> bool
-    bm.allocate(seq_id, prompt_ids) -> num_cached_tokens   # blocks for the whole prompt;
+    bm.cached_prefix_tokens(req) -> int                  # what a prefix hit would serve now
+    bm.can_allocate(req) -> bool
+    bm.allocate(req) -> num_cached_tokens                # blocks for all of req.all_token_ids;
         # with prefix caching, the leading full blocks another request computed are shared
-        # and their tokens need no prefill (at most len(prompt_ids) - 1 of them)
-    bm.slot_mapping(seq_id, start, end) -> [slot]           # where tokens start..end-1 go
-    bm.mark_computed(seq_id, num_computed_tokens)           # after each forward: the K/V of
-        # those tokens is in the cache; newly full blocks become findable by other requests
-    bm.can_append_slots(seq_id, num_tokens) -> bool           # room to grow to num_tokens?
-    bm.append_slots(seq_id, token_ids) -> [(src, dst)]      # before each forward: grow to
-        # len(token_ids) tokens; a block that is about to be written but is shared with a
-        # fork is copied first (copy-on-write): the runner copies the K/V of src into dst
-    bm.truncate(seq_id, num_tokens)     # speculative rollback: drop uncomputed tail tokens, free emptied blocks
+        # and their tokens need no prefill (at most req.num_tokens - 1 of them)
+    bm.can_append_slots(req, num_tokens) -> bool         # room to grow to num_tokens?
+    bm.append_slots(req, num_tokens) -> [(src, dst)]     # before each forward: grow the table to
+        # num_tokens slots (req.num_tokens_with_spec: its tokens and draft tokens); a block that
+        # is about to be written but is shared with a fork is copied first (copy-on-write):
+        # the runner copies the K/V of src into dst
+    bm.slot_mapping(request_id, start, end) -> [slot]    # where tokens start..end-1 go
+    bm.cache_blocks(req)                # after each forward moved req.num_computed_tokens: its
+        # newly full computed blocks become findable by other requests (prefix caching)
+    bm.truncate(req, num_tokens)        # speculative rollback: drop uncomputed tail slots, free emptied blocks
     bm.fork(parent_id, child_id)        # the child shares all the parent's blocks (n > 1 sampling)
-    bm.free(seq_id)                     # finished or preempted: blocks back to the pool, tail first
-    bm.block_table(seq_id) -> [block]
+    bm.free(request_id)                 # finished or preempted: blocks back to the pool, tail first
+    bm.block_table(request_id) -> [block]
+    bm.num_slots(request_id) -> int     # token positions the table covers
     bm.num_free_blocks
 
 Bad arguments raise ValueError; running out of blocks raises OutOfBlocks (check with
@@ -47,10 +54,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
 
 from minillm.prefix_cache import PrefixCache
 from minillm.radix_cache import RadixCache
+from minillm.request import Request
 
 PREFIX_CACHES = {"hash": PrefixCache, "radix": RadixCache}     # prefix_cache= -> its index
 
@@ -136,16 +143,16 @@ class BlockPool:
 
 
 @dataclass
-class _Sequence:
-    token_ids: list[int]
-    blocks: list[int]                                  # the block table
-    num_computed: int = 0                              # tokens whose K/V is in the cache
+class _BlockTable:
+    """What the block manager owns of one request; its tokens and computed count stay on the Request."""
+    blocks: list[int]                                  # physical blocks: position p is in blocks[p // block_size]
+    num_slots: int                                     # token positions the blocks are reserved for
     num_registered: int = 0                            # leading blocks inserted into the prefix cache
     cache_state: object = None                         # what the index's last insert returned
 
 
 class BlockManager:
-    """Block tables of every live sequence over one BlockPool (see the module docstring)."""
+    """Block tables of every live request over one BlockPool (see the module docstring)."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False,
                  prefix_cache: str = "hash"):
@@ -158,7 +165,7 @@ class BlockManager:
         self.block_size = block_size
         self.prefix_cache = PREFIX_CACHES[prefix_cache]() if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self.prefix_cache)
-        self._seqs: dict[object, _Sequence] = {}
+        self._tables: dict[str, _BlockTable] = {}       # request_id -> its table
 
     # --- queries ------------------------------------------------------------------------
     @property
@@ -166,151 +173,160 @@ class BlockManager:
         return self.pool.num_free
 
     @property
-    def seq_ids(self) -> list:
-        return list(self._seqs)
+    def request_ids(self) -> list[str]:
+        return list(self._tables)
 
-    def block_table(self, seq_id) -> list[int]:
-        return list(self._get(seq_id).blocks)
+    def block_table(self, request_id: str) -> list[int]:
+        return list(self._get(request_id).blocks)
 
-    def num_tokens(self, seq_id) -> int:
-        return len(self._get(seq_id).token_ids)
+    def num_slots(self, request_id: str) -> int:
+        return self._get(request_id).num_slots
 
-    def num_computed_tokens(self, seq_id) -> int:
-        return self._get(seq_id).num_computed
-
-    def slot_mapping(self, seq_id, start: int, end: int) -> list[int]:
-        """Cache slots of the tokens at positions start..end-1 of a sequence."""
-        seq = self._get(seq_id)
-        if not 0 <= start <= end <= len(seq.token_ids):
-            raise ValueError(f"need 0 <= start <= end <= num_tokens={len(seq.token_ids)}, "
+    def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
+        """Cache slots of the tokens at positions start..end-1 of a request."""
+        table = self._get(request_id)
+        if not 0 <= start <= end <= table.num_slots:
+            raise ValueError(f"need 0 <= start <= end <= num_slots={table.num_slots}, "
                              f"got start={start}, end={end}")
         bs = self.block_size
-        return [seq.blocks[p // bs] * bs + p % bs for p in range(start, end)]
+        return [table.blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
     # --- admission ----------------------------------------------------------------------
-    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
-        """How many leading tokens a prefix-cache hit would serve right now (0 without caching)."""
-        self._check_tokens(token_ids)
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """How many leading tokens of req a prefix-cache hit would serve right now (0 without caching)."""
+        token_ids = self._token_ids(req)
         return len(self._match(token_ids)) * self.block_size
 
-    def can_allocate(self, token_ids: Sequence[int], use_prefix_cache: bool = True) -> bool:
-        self._check_tokens(token_ids)
+    def can_allocate(self, req: Request, use_prefix_cache: bool = True) -> bool:
+        token_ids = self._token_ids(req)
         hits = self._match(token_ids) if use_prefix_cache else []
         return self._blocks_to_allocate(len(token_ids), hits) <= self.num_free_blocks
 
-    def allocate(self, seq_id, token_ids: Sequence[int], use_prefix_cache: bool = True) -> int:
-        """Give a new sequence blocks for all its tokens; returns how many are already computed.
-        use_prefix_cache=False computes every token (a request that wants prompt logprobs)."""
-        if seq_id in self._seqs:
-            raise ValueError(f"seq_id {seq_id!r} is already allocated")
-        self._check_tokens(token_ids)
+    def allocate(self, req: Request, use_prefix_cache: bool = True) -> int:
+        """Give a new request blocks for all its tokens; returns how many are already computed
+        (the caller sets req.num_computed_tokens to it). use_prefix_cache=False computes every
+        token (a request that wants prompt logprobs)."""
+        if req.request_id in self._tables:
+            raise ValueError(f"request_id {req.request_id!r} is already allocated")
+        token_ids = self._token_ids(req)
         hits = self._match(token_ids) if use_prefix_cache else []
         if self._blocks_to_allocate(len(token_ids), hits) > self.num_free_blocks:
-            raise OutOfBlocks(f"seq_id {seq_id!r} needs more blocks than are free")
+            raise OutOfBlocks(f"request_id {req.request_id!r} needs more blocks than are free")
         for block in hits:                         # first, so that allocate() cannot evict them
             self.pool.acquire(block)
         fresh = [self.pool.allocate() for _ in range(self._num_blocks_for(len(token_ids)) - len(hits))]
-        num_cached = len(hits) * self.block_size
-        self._seqs[seq_id] = _Sequence(list(token_ids), hits + fresh, num_cached, len(hits))
-        return num_cached
+        self._tables[req.request_id] = _BlockTable(hits + fresh, len(token_ids), len(hits))
+        return len(hits) * self.block_size
 
     # --- growth -------------------------------------------------------------------------
-    def can_append_slots(self, seq_id, num_tokens: int) -> bool:
-        """Whether append_slots can grow the sequence to num_tokens tokens in total."""
-        seq = self._get(seq_id)
-        return self._append_cost(seq, num_tokens)[0] <= self.num_free_blocks
+    def can_append_slots(self, req: Request, num_tokens: int) -> bool:
+        """Whether append_slots can grow the request's table to num_tokens slots in total."""
+        table = self._get(req.request_id)
+        return self._append_cost(table, req.num_computed_tokens, num_tokens)[0] <= self.num_free_blocks
 
-    def append_slots(self, seq_id, token_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """Grow a sequence to len(token_ids) tokens (its old tokens followed by the new ones).
+    def append_slots(self, req: Request, num_tokens: int) -> list[tuple[int, int]]:
+        """Grow a request's table to num_tokens slots (at most req.num_tokens_with_spec: a slot
+        for each of its tokens and draft tokens).
 
         Returns the copy-on-write pairs (src_block, dst_block) whose K/V the runner must copy
         before the next forward writes into dst.
         """
-        seq = self._get(seq_id)
-        if len(token_ids) < len(seq.token_ids):
-            raise ValueError(f"token_ids has {len(token_ids)} tokens but seq_id {seq_id!r} already "
-                             f"has {len(seq.token_ids)}: append_slots only grows a sequence")
-        needed, shared = self._append_cost(seq, len(token_ids))
+        table = self._get(req.request_id)
+        if num_tokens < table.num_slots:
+            raise ValueError(f"num_tokens={num_tokens} but request_id {req.request_id!r} already has "
+                             f"{table.num_slots} slots: append_slots only grows a table")
+        if num_tokens > req.num_tokens_with_spec:
+            raise ValueError(f"num_tokens={num_tokens} but request_id {req.request_id!r} holds only "
+                             f"{req.num_tokens_with_spec} tokens (with drafts): append its tokens first")
+        needed, shared = self._append_cost(table, req.num_computed_tokens, num_tokens)
         if needed > self.num_free_blocks:
-            raise OutOfBlocks(f"seq_id {seq_id!r} needs {needed} blocks, {self.num_free_blocks} free")
+            raise OutOfBlocks(f"request_id {req.request_id!r} needs {needed} blocks, "
+                              f"{self.num_free_blocks} free")
         copies = []
         for i in shared:                           # copy-on-write: only the writer gets a new block
             new_block = self.pool.allocate()
-            copies.append((seq.blocks[i], new_block))
-            self.pool.release(seq.blocks[i])
-            seq.blocks[i] = new_block
-        while len(seq.blocks) < self._num_blocks_for(len(token_ids)):
-            seq.blocks.append(self.pool.allocate())
-        seq.token_ids.extend(token_ids[len(seq.token_ids):])
+            copies.append((table.blocks[i], new_block))
+            self.pool.release(table.blocks[i])
+            table.blocks[i] = new_block
+        while len(table.blocks) < self._num_blocks_for(num_tokens):
+            table.blocks.append(self.pool.allocate())
+        table.num_slots = num_tokens
         return copies
 
-    def mark_computed(self, seq_id, num_computed_tokens: int) -> None:
-        """Record that the K/V of the first num_computed_tokens tokens is in the cache."""
-        seq = self._get(seq_id)
-        if not seq.num_computed <= num_computed_tokens <= len(seq.token_ids):
-            raise ValueError(f"num_computed_tokens must be in [{seq.num_computed}, "
-                             f"{len(seq.token_ids)}] for seq_id {seq_id!r}, got {num_computed_tokens}")
-        seq.num_computed = num_computed_tokens
-        num_full = num_computed_tokens // self.block_size
-        if self.prefix_cache is None or num_full <= seq.num_registered:
+    def cache_blocks(self, req: Request) -> None:
+        """After a forward moved req.num_computed_tokens on: the K/V of that many tokens is in
+        the cache, so its newly full blocks become findable (a no-op without prefix caching)."""
+        table = self._get(req.request_id)
+        lowest = table.num_registered * self.block_size        # cached blocks cannot be uncomputed
+        if not lowest <= req.num_computed_tokens <= table.num_slots:
+            raise ValueError(f"num_computed_tokens must be in [{lowest}, {table.num_slots}] for "
+                             f"request_id {req.request_id!r}, got {req.num_computed_tokens}")
+        # min: a stop inside accepted drafts leaves the request fewer tokens than computed slots
+        num_full = min(req.num_computed_tokens, req.num_tokens_with_spec) // self.block_size
+        if self.prefix_cache is None or num_full <= table.num_registered:
             return
-        swaps, seq.cache_state = self.prefix_cache.insert(
-            seq.token_ids[:num_full * self.block_size], seq.blocks, self.block_size,
-            seq.num_registered, seq.cache_state)
+        token_ids = (req.all_token_ids + req.spec_token_ids)[:num_full * self.block_size]
+        swaps, table.cache_state = self.prefix_cache.insert(
+            token_ids, table.blocks, self.block_size, table.num_registered, table.cache_state)
         for i, cached in swaps:                    # the radix tree keeps one copy of each prefix:
             self.pool.acquire(cached)              # use it (same tokens, same K/V), free ours
-            self.pool.release(seq.blocks[i])
-            seq.blocks[i] = cached
-        seq.num_registered = num_full
+            self.pool.release(table.blocks[i])
+            table.blocks[i] = cached
+        table.num_registered = num_full
 
     # --- sharing and release ------------------------------------------------------------
-    def truncate(self, seq_id, num_tokens: int) -> None:
-        """Keep the first num_tokens tokens of a sequence and give back every block past them:
-        speculative decoding appends k draft tokens before a forward and rolls back the ones the
-        target rejected. Their K/V slots are simply forgotten (the next tokens overwrite them);
-        only blocks that the rollback leaves empty return to the pool. Tokens still counted as
-        computed cannot be dropped: the prefix cache may have indexed their blocks."""
-        seq = self._get(seq_id)
-        if not isinstance(num_tokens, int) or not max(1, seq.num_computed) <= num_tokens <= len(seq.token_ids):
-            raise ValueError(f"num_tokens must be an int in [{max(1, seq.num_computed)}, {len(seq.token_ids)}] "
-                             f"for seq_id {seq_id!r} (computed tokens cannot be dropped), got {num_tokens!r}")
-        del seq.token_ids[num_tokens:]
-        while len(seq.blocks) > self._num_blocks_for(num_tokens):
-            self.pool.release(seq.blocks.pop())
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Keep the first num_tokens slots of a request's table and give back every block past
+        them: speculative decoding appends k draft tokens before a forward and rolls back the ones
+        the target rejected. Their K/V slots are simply forgotten (the next tokens overwrite them);
+        only blocks that the rollback leaves empty return to the pool. Computed tokens (read from
+        req.num_computed_tokens, before it moves on) cannot be dropped: the prefix cache may have
+        indexed their blocks."""
+        table = self._get(req.request_id)
+        lowest = max(1, req.num_computed_tokens, table.num_registered * self.block_size)
+        if not isinstance(num_tokens, int) or not lowest <= num_tokens <= table.num_slots:
+            raise ValueError(f"num_tokens must be an int in [{lowest}, {table.num_slots}] for request_id "
+                             f"{req.request_id!r} (computed tokens cannot be dropped), got {num_tokens!r}")
+        table.num_slots = num_tokens
+        while len(table.blocks) > self._num_blocks_for(num_tokens):
+            self.pool.release(table.blocks.pop())
 
-    def fork(self, parent_id, child_id) -> None:
-        """The child starts as a copy of the parent that shares every block (no K/V copied)."""
-        if child_id in self._seqs:
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child starts with a table that shares every block of the parent's (no K/V copied).
+        Its Request must hold the parent's tokens and num_computed_tokens (a copy of the parent)."""
+        if child_id in self._tables:
             raise ValueError(f"child_id {child_id!r} is already allocated")
         parent = self._get(parent_id)
         for block in parent.blocks:
             self.pool.acquire(block)
-        self._seqs[child_id] = _Sequence(list(parent.token_ids), list(parent.blocks),
-                                         parent.num_computed, parent.num_registered, parent.cache_state)
+        self._tables[child_id] = _BlockTable(list(parent.blocks), parent.num_slots,
+                                             parent.num_registered, parent.cache_state)
 
-    def free(self, seq_id) -> None:
-        """Release a finished or preempted sequence's blocks, last block first, so that with
+    def free(self, request_id: str) -> None:
+        """Release a finished or preempted request's blocks, last block first, so that with
         prefix caching the tails of prefixes are evicted before their heads."""
-        seq = self._get(seq_id)
-        for block in reversed(seq.blocks):
+        table = self._get(request_id)
+        for block in reversed(table.blocks):
             self.pool.release(block)
-        del self._seqs[seq_id]
+        del self._tables[request_id]
 
     # --- helpers ------------------------------------------------------------------------
-    def _get(self, seq_id) -> _Sequence:
-        if seq_id not in self._seqs:
-            raise ValueError(f"unknown seq_id {seq_id!r}")
-        return self._seqs[seq_id]
+    def _get(self, request_id: str) -> _BlockTable:
+        if request_id not in self._tables:
+            raise ValueError(f"unknown request_id {request_id!r}")
+        return self._tables[request_id]
 
     @staticmethod
-    def _check_tokens(token_ids) -> None:
-        if len(token_ids) == 0:
-            raise ValueError("token_ids must hold at least one token")
+    def _token_ids(req: Request) -> list[int]:
+        token_ids = req.all_token_ids
+        if not token_ids:
+            raise ValueError(f"request_id {req.request_id!r} has no token_ids: a request needs at least one token")
+        return token_ids
 
     def _num_blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
 
-    def _match(self, token_ids) -> list[int]:
+    def _match(self, token_ids: list[int]) -> list[int]:
         if self.prefix_cache is None:
             return []
         return self.prefix_cache.match(token_ids, self.block_size)
@@ -321,14 +337,15 @@ class BlockManager:
         revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
         return self._num_blocks_for(num_tokens) - len(hits) + revived
 
-    def _append_cost(self, seq: _Sequence, num_tokens: int) -> tuple[int, list[int]]:
-        """(free blocks needed, indices of shared blocks the next forward writes into)."""
+    def _append_cost(self, table: _BlockTable, num_computed: int, num_tokens: int) -> tuple[int, list[int]]:
+        """(free blocks needed, indices of shared blocks the next forward writes into: those at or
+        after the block holding position num_computed)."""
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-        first_written = seq.num_computed // self.block_size
-        last = min(len(seq.blocks), self._num_blocks_for(num_tokens))
-        shared = [i for i in range(first_written, last) if self.pool.ref_counts[seq.blocks[i]] > 1]
-        grow = max(0, self._num_blocks_for(num_tokens) - len(seq.blocks))
+        first_written = num_computed // self.block_size
+        last = min(len(table.blocks), self._num_blocks_for(num_tokens))
+        shared = [i for i in range(first_written, last) if self.pool.ref_counts[table.blocks[i]] > 1]
+        grow = max(0, self._num_blocks_for(num_tokens) - len(table.blocks))
         return grow + len(shared), shared
 
 
@@ -338,13 +355,15 @@ def blocks_after_parallel_sampling(prompt_len: int, n: int, block_size: int = 16
     partly filled last block is copied, by every writer but the last (copy-on-write)."""
     num_blocks = n * (prompt_len // block_size + 2)                        # room even without sharing
     bm = BlockManager(num_blocks, block_size)
-    prompt = list(range(prompt_len))
-    bm.allocate(0, prompt)
-    bm.mark_computed(0, prompt_len)
-    for child in range(1, n):
-        bm.fork(0, child)
-    for seq in range(n):
-        bm.append_slots(seq, prompt + [seq])
+    samples = [Request.from_token_ids(str(i), list(range(prompt_len))) for i in range(n)]
+    bm.allocate(samples[0])
+    for req in samples:                                                 # the prompt is computed
+        req.num_computed_tokens = prompt_len
+    for child in samples[1:]:
+        bm.fork(samples[0].request_id, child.request_id)
+    for i, req in enumerate(samples):
+        req.output_token_ids.append(i)                                  # each sample's own first token
+        bm.append_slots(req, req.num_tokens)
     return num_blocks - bm.num_free_blocks
 
 
@@ -354,7 +373,9 @@ def prefix_hit_tokens(shared_len: int, prompt_len: int, block_size: int = 16) ->
     only, and at most prompt_len - 1 tokens, so that the last one runs and yields logits."""
     bm = BlockManager(2 * (max(shared_len, prompt_len) // block_size + 2), block_size, enable_prefix_caching=True)
     shared = list(range(shared_len))
-    earlier = shared + [shared_len]                                     # then the two prompts differ
-    bm.allocate("earlier", earlier)
-    bm.mark_computed("earlier", len(earlier))
-    return bm.cached_prefix_tokens(shared + [shared_len + 1] * (prompt_len - shared_len))
+    earlier = Request.from_token_ids("earlier", shared + [shared_len])  # then the two prompts differ
+    bm.allocate(earlier)
+    earlier.num_computed_tokens = earlier.num_tokens
+    bm.cache_blocks(earlier)
+    later = Request.from_token_ids("later", shared + [shared_len + 1] * (prompt_len - shared_len))
+    return bm.cached_prefix_tokens(later)

@@ -154,7 +154,7 @@ class Engine:
             tokens, a = self.speculation.verify(req, logits[lo:hi])
             log["num_accepted_tokens"] += a
             plan.num_new_tokens[i] = 1 + a                                 # the rejected drafts roll back
-            self.block_manager.truncate(req.request_id, start + 1 + a)
+            self.block_manager.truncate(req, start + 1 + a)
             for j in range(a):                                             # the accepted drafts are output now
                 events.append((req, self.output_processor.append(req, logits[lo + j], tokens[j])))
                 if req.finished:                                           # a stop inside the run: the rest is dropped

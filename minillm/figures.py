@@ -24,6 +24,7 @@ from . import roofline
 from .block_manager import BlockManager
 from .kv_cache import kv_cache_bytes
 from .model import ModelConfig, random_model, tiny_config
+from .request import Request
 from .sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -276,8 +277,8 @@ def draw_online_softmax(ax, trace: OnlineSoftmaxTrace) -> None:
 class BlockSnapshot:
     """The block manager's state after one event (the picture is this, nothing else)."""
     event: str
-    tables: dict[str, list[int]]             # sequence -> physical block of each logical block
-    words: dict[str, list[str]]              # sequence -> its tokens, as words
+    tables: dict[str, list[int]]             # request_id -> physical block of each logical block
+    words: dict[str, list[str]]              # request_id -> its tokens, as words
     ref_counts: list[int]
     copies: list[tuple[int, int]] = field(default_factory=list)   # copy-on-write (src, dst) of this event
 
@@ -292,28 +293,31 @@ def block_table_trace(num_blocks: int = 6) -> list[BlockSnapshot]:
     full blocks through the prefix cache; C forks A (a second sample of the same prompt) and shares
     all three; C writes its next token into the shared last block (copy-on-write); A writes its own
     next token in place, since its last block is no longer shared."""
-    vocab = {w: i for i, w in enumerate(dict.fromkeys(PROMPT_A + PROMPT_B + ["off", "away"]))}
-    ids = lambda words: [vocab[w] for w in words]                  # noqa: E731
+    word_of = list(dict.fromkeys(PROMPT_A + PROMPT_B + ["off", "away"]))      # token id -> word
+    ids = lambda words: [word_of.index(w) for w in words]          # noqa: E731
     bm = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=True)
-    words: dict[str, list[str]] = {}
+    reqs: dict[str, Request] = {}
     snaps = []
 
     def snap(event, copies=()):
-        snaps.append(BlockSnapshot(event, {s: bm.block_table(s) for s in bm.seq_ids},
-                                   {s: list(words[s]) for s in bm.seq_ids}, list(bm.pool.ref_counts), list(copies)))
+        snaps.append(BlockSnapshot(event, {r: bm.block_table(r) for r in bm.request_ids},
+                                   {r: [word_of[t] for t in reqs[r].all_token_ids] for r in bm.request_ids},
+                                   list(bm.pool.ref_counts), list(copies)))
 
-    for seq, prompt in (("A", PROMPT_A), ("B", PROMPT_B)):
-        words[seq] = list(prompt)
-        bm.allocate(seq, ids(prompt))
-        bm.mark_computed(seq, len(prompt))
-        snap(f"{seq} prefilled" if seq == "A" else "B hits A's cached prefix")
+    for name, prompt in (("A", PROMPT_A), ("B", PROMPT_B)):
+        req = reqs[name] = Request.from_token_ids(name, ids(prompt))
+        bm.allocate(req)
+        req.num_computed_tokens = req.num_tokens                   # prefilled
+        bm.cache_blocks(req)
+        snap(f"{name} prefilled" if name == "A" else "B hits A's cached prefix")
+    reqs["C"] = Request.from_token_ids("C", ids(PROMPT_A))
+    reqs["C"].num_computed_tokens = reqs["A"].num_computed_tokens   # a copy of A
     bm.fork("A", "C")
-    words["C"] = list(PROMPT_A)
     snap("C forks A")
-    for seq, word in (("C", "off"), ("A", "away")):
-        words[seq].append(word)
-        copies = bm.append_slots(seq, ids(words[seq]))
-        snap(f"{seq} writes '{word}'", copies)
+    for name, word in (("C", "off"), ("A", "away")):
+        reqs[name].output_token_ids += ids([word])
+        copies = bm.append_slots(reqs[name], reqs[name].num_tokens)
+        snap(f"{name} writes '{word}'", copies)
     return snaps
 
 
@@ -514,7 +518,8 @@ def speculative_trace(llm, prompt: str, method: str = "ngram", k: int = 4,
                       max_tokens: int = 24) -> tuple[list[SpecRound], list[int]]:
     """A greedy speculative_stream run, with the draft's proposals recorded (its propose method is
     wrapped on this one draft instance). Returns the rounds and the request's output token ids."""
-    from .speculative import SpecStats, make_draft, speculative_stream
+    from .speculative import SpecStats, make_draft
+    from .speculative_loop import speculative_stream
 
     draft = make_draft(llm.model, method)
     proposals = []
@@ -624,9 +629,10 @@ def radix_tree_trace(block_size: int = 4) -> tuple[RadixNodeView, dict[str, int]
     bm = BlockManager(64, block_size, enable_prefix_caching=True, prefix_cache="radix")
     hits = {}
     for name, (text, running) in RADIX_REQUESTS.items():
-        ids = [vocab[w] for w in RADIX_SYSTEM + text]
-        hits[name] = bm.allocate(name, ids)
-        bm.mark_computed(name, len(ids))
+        req = Request.from_token_ids(name, [vocab[w] for w in RADIX_SYSTEM + text])
+        hits[name] = bm.allocate(req)
+        req.num_computed_tokens = req.num_tokens                   # prefilled
+        bm.cache_blocks(req)
         if not running:
             bm.free(name)
     tree = bm.prefix_cache

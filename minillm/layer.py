@@ -11,7 +11,7 @@ What differs between the ways the engine runs this layer is data, not code:
   (out, in), a packed int8/int4 tuple (quant/cpu_kernels.fused_pack), or any callable x -> y
   (an nn.Linear, a prepacked GEMM, a tensor-parallel linear that all-reduces, three quantised
   linears side by side). `project` applies whichever it is. q, k, v come from ONE matrix and
-  gate, up from ONE: fused once, at load time (fast_decode.fuse_projections).
+  gate, up from ONE: fused once, at load time (transforms.fuse_projections).
 - `attention`: a closure over the step's attention metadata (model_runner).
 - compiled or not: a decode-only step on CPU runs this same function under torch.compile
   (compiled_decode_layer below), which turns each layer into a few generated loops; the

@@ -2,13 +2,13 @@
 
     for delta in stream_contiguous(llm, req): ...
 
-This is lesson 02's stage: one sequence, one preallocated cache, no paging; its batch-1 fast loop
-(fast_decode.forward_fast) for a fused float model, the compiled step over int8/int4 packs
-(fast_decode.forward_quantized) for a quantised one, kv_cache.forward_cached otherwise. It uses the
-engine's output processor, so that sampling, stop rules, logprobs and detokenising are compared on
-equal terms. With llm.speculative_method set, the request runs the
-per-request speculative loop of lesson 08 (minillm/speculative.py) instead. LLM itself never takes
-this path: every request goes through the engine.
+This is lesson 02's stage: one sequence, one preallocated cache, no paging, run by lesson 02's
+batch-1 forward (fast_decode.FastDecoder: the fast loop and compiled step for a fused float model,
+the compiled step over int8/int4 packs for a quantised one, kv_cache.forward_cached otherwise). It
+uses the engine's output processor, so that sampling, stop rules, logprobs and detokenising are
+compared on equal terms. With llm.speculative_method set, the request runs the per-request
+speculative loop of lesson 08 (minillm/speculative_loop.py) instead. LLM itself never takes this
+path: every request goes through the engine.
 """
 from __future__ import annotations
 
@@ -16,37 +16,36 @@ from typing import Iterator
 
 import torch
 
-from .fast_decode import forward_fast, forward_quantized, is_fused, quantized_step_ready
+from .fast_decode import FastDecoder
 from .kv_cache import KVCache, forward_cached
 from .positions import RopeTable
 from .request import Request
 
 
 @torch.no_grad()
-def stream_contiguous(llm, req: Request) -> Iterator[str]:
+def stream_contiguous(llm, req: Request, decoder: FastDecoder | None = None) -> Iterator[str]:
     """Run one request of `llm` (from llm.make_requests) to completion, yielding its new visible
-    text after every token."""
+    text after every token. decoder: a FastDecoder of llm.model to reuse across requests (None:
+    one is built for this request; for a quantised model that packs its weights every time)."""
+    if decoder is None:
+        decoder = FastDecoder(llm.model, attention_backend=llm.attention_backend)
     if llm.speculative_method is not None:
-        from .speculative import SpecStats, speculative_stream
+        from .speculative import SpecStats
+        from .speculative_loop import speculative_stream
         spec = llm.engine_config.speculative
-        yield from speculative_stream(llm, req, spec.method, spec.num_speculative_tokens, SpecStats())
+        yield from speculative_stream(llm, req, spec.method, spec.num_speculative_tokens, SpecStats(),
+                                      decoder=decoder)
         return
     room = min(llm.max_model_len, len(req.prompt_token_ids) + req.params.max_tokens)
     cache = KVCache(llm.config, 1, room, llm.model.embed.weight.dtype, llm.device)
-    model, rope = llm.model, RopeTable(llm.config.head_dim, llm.config.rope_theta, room, llm.device)
-    if is_fused(model):
-        step = lambda t: forward_fast(model, t, cache, rope, llm.attention_backend)  # noqa: E731
-    elif quantized_step_ready(model):
-        step = lambda t: forward_quantized(model, t, cache, rope)  # noqa: E731
-    else:
-        step = lambda t: forward_cached(model, t, cache)  # noqa: E731
+    rope = RopeTable(llm.config.head_dim, llm.config.rope_theta, room, llm.device)
     prompt = torch.tensor([req.prompt_token_ids], device=llm.device)              # (1, T)
     if req.params.prompt_logprobs is not None:
-        logits = forward_cached(model, prompt, cache, all_logits=True)[0]         # (T, V)
+        logits = forward_cached(llm.model, prompt, cache, all_logits=True)[0]     # (T, V)
         llm.output_processor.set_prompt_logprobs(req, logits)
         logits = logits[-1]
     else:
-        logits = step(prompt)[0]                                                  # (V,)
+        logits = decoder.forward(prompt, cache, rope)[0]                          # (V,)
     computed = len(req.prompt_token_ids)
     while True:
         yield llm.output_processor.append(req, logits)
@@ -54,4 +53,4 @@ def stream_contiguous(llm, req: Request) -> Iterator[str]:
             return
         new = req.all_token_ids[computed:]        # the sampled token (+ any jump-forward tokens)
         computed += len(new)
-        logits = step(prompt.new_tensor([new]))[0]                                # (V,) after the last of them
+        logits = decoder.forward(prompt.new_tensor([new]), cache, rope)[0]        # (V,) after the last of them

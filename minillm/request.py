@@ -13,6 +13,9 @@ step the scheduler lets it catch up with num_tokens by some amount:
 
 When num_computed_tokens reaches num_tokens the last forward produced the logits of the last
 token, so a new token is sampled and appended, and num_tokens grows by one.
+
+A Request is the one record of a request's tokens and count: the block manager
+(minillm/block_manager.py) reads both from it and keeps only its block table.
 """
 from __future__ import annotations
 
@@ -60,6 +63,12 @@ class Request:
     drafter: object | None = None          # this request's proposer (a draft model keeps its own cache)
     num_accepted: int = 0                  # draft tokens accepted so far
     num_rejections: int = 0                # verification steps that ended in a rejection
+
+    @classmethod
+    def from_token_ids(cls, request_id: str, token_ids: list[int]) -> Request:
+        """A bare request holding only prompt token ids (default SamplingParams, no text, no
+        generator): enough to drive the block manager in its counting helpers, simulations and tests."""
+        return cls(request_id, None, list(token_ids), SamplingParams(), None, RequestMetrics(0.0))
 
     @property
     def all_token_ids(self) -> list[int]:

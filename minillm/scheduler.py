@@ -87,15 +87,16 @@ class Scheduler:
         # BEGIN SOLUTION scheduler
         # HINT: follow the module docstring. budget = max_num_batched_tokens. (1) Running requests,
         # HINT: oldest first, while budget > 0: self._fit_drafts(req, budget), then n =
-        # HINT: min(num_tokens_with_spec - num_computed_tokens, budget); while bm.can_append_slots(id,
-        # HINT: num_tokens_with_spec) says no, preempt the NEWEST running request (self._preempt, record it
+        # HINT: min(num_tokens_with_spec - num_computed_tokens, budget); while bm.can_append_slots(req,
+        # HINT: req.num_tokens_with_spec) says no, preempt the NEWEST running request (self._preempt, record it
         # HINT: in out.preempted; stop if it was this request); then out.block_copies +=
-        # HINT: bm.append_slots(id, all_token_ids + spec_token_ids) and schedule n tokens. (2) Unless this
+        # HINT: bm.append_slots(req, req.num_tokens_with_spec) and schedule n tokens. (2) Unless this
         # HINT: step preempted, admit waiting requests in order while budget > 0 and fewer than max_num_seqs run: a
-        # HINT: prefix-cache hit (bm.cached_prefix_tokens, only when params.prompt_logprobs is None) is
+        # HINT: prefix-cache hit (bm.cached_prefix_tokens(req), only when params.prompt_logprobs is None) is
         # HINT: already computed; without chunked prefill the rest must fit the budget; stop when
-        # HINT: bm.can_allocate says no; bm.allocate gives num_computed_tokens (also num_cached_tokens);
-        # HINT: the request becomes RUNNING and gets min(remaining, budget) tokens.
+        # HINT: bm.can_allocate(req, use_prefix_cache=...) says no; bm.allocate(req, use_prefix_cache=...) gives
+        # HINT: num_computed_tokens (also num_cached_tokens); the request becomes RUNNING and gets
+        # HINT: min(remaining, budget) tokens. The block manager reads tokens and counts from req itself.
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
@@ -105,7 +106,7 @@ class Scheduler:
             req = self.running[i]
             self._fit_drafts(req, budget)
             n = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
-            while not bm.can_append_slots(req.request_id, req.num_tokens_with_spec):
+            while not bm.can_append_slots(req, req.num_tokens_with_spec):
                 victim = self.running[-1]                 # the newest gives its blocks back
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -113,7 +114,7 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:   # it preempted itself: nothing left to free
                 break
-            out.block_copies += bm.append_slots(req.request_id, req.all_token_ids + req.spec_token_ids)
+            out.block_copies += bm.append_slots(req, req.num_tokens_with_spec)
             out.requests.append(req)
             out.num_new_tokens.append(n)
             budget -= n
@@ -121,15 +122,14 @@ class Scheduler:
         # 2. waiting requests, first come first served (none if this step had to preempt)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            tokens = req.all_token_ids
             use_cache = req.params.prompt_logprobs is None     # cached positions have no logits
-            cached = bm.cached_prefix_tokens(tokens) if use_cache else 0
-            remaining = len(tokens) - cached
+            cached = bm.cached_prefix_tokens(req) if use_cache else 0
+            remaining = req.num_tokens - cached
             if not self.enable_chunked_prefill and remaining > budget:
                 break
-            if not bm.can_allocate(tokens, use_prefix_cache=use_cache):
+            if not bm.can_allocate(req, use_prefix_cache=use_cache):
                 break
-            req.num_computed_tokens = bm.allocate(req.request_id, tokens, use_prefix_cache=use_cache)
+            req.num_computed_tokens = bm.allocate(req, use_prefix_cache=use_cache)
             req.num_cached_tokens = req.num_computed_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -147,7 +147,7 @@ class Scheduler:
         sample = []
         for req, n in zip(out.requests, out.num_new_tokens):
             req.num_computed_tokens += n
-            self.block_manager.mark_computed(req.request_id, req.num_computed_tokens)
+            self.block_manager.cache_blocks(req)           # its newly full blocks become findable
             if req.num_computed_tokens == req.num_tokens:
                 sample.append(req)
         return sample
@@ -166,9 +166,9 @@ class Scheduler:
         """Preemption by recompute: free every block, forget the computed tokens, and put the
         request at the FRONT of the waiting queue so it resumes before anything newer."""
         # BEGIN SOLUTION scheduler
-        # HINT: remove it from running, free its blocks, status WAITING, num_computed_tokens 0, forget
-        # HINT: its speculative drafts (spec_token_ids [], spec_probs None) and its prompt_logits, count
-        # HINT: num_preemptions, and put it at the FRONT of waiting (appendleft).
+        # HINT: remove it from running, free its blocks (self.block_manager.free(req.request_id)), status
+        # HINT: WAITING, num_computed_tokens 0, forget its speculative drafts (spec_token_ids [], spec_probs
+        # HINT: None) and its prompt_logits, count num_preemptions, and put it at the FRONT of waiting (appendleft).
         self.running.remove(req)
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.WAITING

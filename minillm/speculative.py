@@ -26,28 +26,29 @@ Three drafts (make_draft):
     "ngram"      prompt lookup: no model; find the last few tokens earlier in the context
                  and propose what followed them there (Saxena 2023)
 
-speculative_stream(llm, req, method, k) is the per-request runner LLM uses: it behaves like
-LLM.stream_request and yields the visible text after every appended token.
+This file holds what the engine's speculation (minillm/speculative_engine.py) and lesson 08's
+per-request loop (minillm/speculative_loop.py, a teaching stage) share: the verification rules, the
+acceptance and cost model, the planning policy, statistics and argument checks, and the drafts. A
+model draft runs its model through the production forward (DraftPool: a model_runner.ModelRunner over
+a paged cache of its own), never through a teaching stage.
 """
 from __future__ import annotations
 
 import dataclasses
-import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .fast_decode import can_compile_step, forward_fast, forward_verify, fuse_projections, is_fused
-from .kv_cache import KVCache, forward_cached
 from .model import Llama
+from .model_runner import GROUP_COST_BLOCKS, ModelRunner, PagedKVCache, build_batch
 from .positions import RopeTable
 from .roofline import expected_tokens_per_call
 from .sampling import SamplingParams, filtered_probs
+from .transforms import fuse_projections, is_fused
 
 METHODS = ("draft", "layerskip", "ngram")
 MAX_SPECULATIVE_TOKENS = 16
@@ -181,43 +182,6 @@ def plan_draft_lengths(alphas: list[float], max_ks: list[int], base_tokens: int,
 
 # ---- drafts ---------------------------------------------------------------------------------------
 
-class Stepper:
-    """One sequence's KV cache plus the batch-1 forward that extends it: the fast path
-    (minillm/fast_decode.py) when the model's projections are fused, as LLM does, else the baseline."""
-
-    def __init__(self, model: Llama, max_len: int):
-        weight = model.embed.weight
-        self.model = model
-        self.cache = KVCache(model.cfg, 1, max_len, weight.dtype, weight.device)
-        self.rope = RopeTable(model.cfg.head_dim, model.cfg.rope_theta, max_len, weight.device) \
-            if is_fused(model) else None
-
-    @property
-    def length(self) -> int:
-        return int(self.cache.lengths[0])
-
-    def step(self, tokens: list[int]) -> torch.Tensor:
-        """Feed tokens; logits (V,) of the last one."""
-        ids = torch.tensor([tokens], device=self.cache.k.device)          # (1, T)
-        if self.rope is not None:
-            return forward_fast(self.model, ids, self.cache, self.rope)[0]
-        return forward_cached(self.model, ids, self.cache)[0]
-
-    def step_all(self, tokens: list[int]) -> torch.Tensor:
-        """Feed tokens; logits (T, V) of every one (verification needs all k + 1): k + 1 tokens by
-        the compiled verification step (fast_decode item 7) where it applies, else (a longer run,
-        such as a prompt whose logprobs are asked for, or the baseline model) by forward_cached."""
-        ids = torch.tensor([tokens], device=self.cache.k.device)          # (1, T)
-        if self.rope is not None and len(tokens) <= MAX_SPECULATIVE_TOKENS + 1 \
-                and can_compile_step(self.model, ids.device):
-            return forward_verify(self.model, ids, self.cache, self.rope)
-        return forward_cached(self.model, ids, self.cache, all_logits=True)[0]
-
-    def rollback(self, length: int) -> None:
-        """Forget cached positions >= length (rejected guesses)."""
-        self.cache.truncate(torch.tensor([length], device=self.cache.lengths.device))
-
-
 def layer_subset(model: Llama, keep: list[int]) -> Llama:
     """A Llama that runs only model.layers[i] for i in keep; every weight is shared, none copied."""
     with torch.device("meta"):
@@ -263,23 +227,122 @@ class NgramDraft:
     def rollback(self, length: int) -> None:
         """Nothing to roll back: the lookup keeps no state."""
 
+    def release(self) -> None:
+        """Nothing to give back."""
+
+
+class DraftPool:
+    """A draft model's forward, the production one: ONE model_runner.ModelRunner over ONE PagedKVCache
+    of its own, shared by every request that drafts with that model (each a ModelDraft holding its own
+    blocks). The runner is the engine's: layer.decoder_layer, one-token steps by the compiled decode
+    step (compile_decode=True), one attention backend; built with prepack_rows=None and
+    tune_kernels=False, so building it times nothing and copies no weight.
+
+    Why one runner shared by requests, not a cache per request: the compiled decode step is guarded on
+    the cache's shape, so one cache for all requests compiles its graphs once; a cache per request would
+    either change shape with every request's length or, sized from max_model_len, reserve
+    max_model_len positions for each request in flight. Blocks are taken from the free list as a
+    request's context grows and given back when it ends (ModelDraft.release). Where the free list runs
+    out the pool doubles: a new cache (the blocks copied over, block ids unchanged) and a new runner over
+    it; Dynamo then treats the block count as symbolic (one recompile), so no later size recompiles."""
+
+    def __init__(self, model: Llama, max_len: int, num_blocks: int | None = None, block_size: int = 16,
+                 attention_backend: str = "sdpa"):
+        """max_len: the most positions one sequence may hold (RoPE's table). num_blocks: the pool to
+        start with (None: one sequence of max_len)."""
+        weight = model.embed.weight
+        self.model, self.block_size, self.max_len = model, block_size, max_len
+        self.attention_backend = attention_backend
+        self.rope = RopeTable(model.cfg.head_dim, model.cfg.rope_theta, max_len, weight.device)
+        num_blocks = num_blocks or -(-max_len // block_size)
+        self.free = list(range(num_blocks))[::-1]                      # pop() hands out block 0 first
+        self.runner = self._runner(PagedKVCache(model.cfg, num_blocks, block_size, weight.dtype, weight.device))
+        # model_runner.group_by_length on CPU; the GPU kernel takes every row at once (as the engine)
+        self.group_cost = None if self.runner.use_triton else GROUP_COST_BLOCKS
+
+    def _runner(self, kv: PagedKVCache) -> ModelRunner:
+        return ModelRunner(self.model, kv, self.rope, prepack_rows=None, tune_kernels=False, compile_decode=True,
+                           attention_backend=self.attention_backend)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.kv.num_blocks
+
+    def take(self, blocks: list[int], positions: int) -> None:
+        """Append blocks from the free list to a sequence's table `blocks` until it covers `positions`."""
+        need = -(-positions // self.block_size) - len(blocks)
+        if need > len(self.free):
+            self._grow(need - len(self.free))
+        blocks += [self.free.pop() for _ in range(max(0, need))]
+
+    def give_back(self, blocks: list[int]) -> None:
+        self.free += blocks[::-1]
+
+    def _grow(self, more: int) -> None:
+        """At least `more` new blocks: the pool doubles (or more), the cached blocks copied across."""
+        old = self.runner.kv
+        n = max(2 * old.num_blocks, old.num_blocks + more)
+        kv = PagedKVCache(self.model.cfg, n, self.block_size, old.dtype, old.k.device)
+        kv.k[:, :old.num_blocks].copy_(old.k)
+        kv.v[:, :old.num_blocks].copy_(old.v)
+        self.free = list(range(old.num_blocks, n))[::-1] + self.free
+        self.runner = self._runner(kv)
+
+    def forward(self, tokens: list[int], start: int, blocks: list[int]) -> torch.Tensor:
+        """tokens continuing a sequence at position `start`, its K/V written by position into `blocks`
+        (taken as needed) -> logits of the last token (V,): one batch of one run (build_batch)."""
+        end = start + len(tokens)
+        if end > self.max_len:
+            raise ValueError(f"the draft's cache holds {self.max_len} positions per sequence; this step needs {end}")
+        self.take(blocks, end)
+        bs = self.block_size
+        slots = [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+        batch = build_batch([(tokens, start, blocks, slots)], ["last"], bs, self.runner.kv.k.device, self.group_cost)
+        return self.runner.forward(batch)[0]                           # (V,)
+
 
 class ModelDraft:
-    """A draft language model with its own KV cache (a separate model or a layer subset)."""
+    """A draft language model (a separate model or a layer subset) proposing k tokens one by one,
+    run by the production forward (DraftPool: a ModelRunner over a paged cache). Its sequence: the
+    block table `blocks` and `length` positions cached; rolling back forgets positions (the cache is
+    written by position, so the next step overwrites them)."""
 
-    def __init__(self, model: Llama):
-        self.model = model
-        self.state: Stepper | None = None
+    def __init__(self, model: Llama, pool: DraftPool | None = None):
+        """pool: a DraftPool of `model` shared with other requests (the engine's); None: reset() builds
+        one of its own, exactly one sequence long (a request alone: the teaching loop, tests)."""
+        if pool is not None and pool.model is not model:
+            raise ValueError("ModelDraft: the pool runs another model")
+        self.model, self.pool, self.shared = model, pool, pool is not None
+        self.blocks: list[int] = []
+        self.length = 0
+        self.max_len = 0
 
     def reset(self, max_len: int) -> None:
-        self.state = Stepper(self.model, max_len)
+        """Start a new sequence of at most max_len positions."""
+        self.release()
+        if not self.shared:
+            self.pool = DraftPool(self.model, max_len)
+        elif max_len > self.pool.max_len:
+            raise ValueError(f"a sequence of {max_len} positions does not fit the draft pool's {self.pool.max_len}")
+        self.max_len = max_len
+
+    def step(self, tokens: list[int]) -> torch.Tensor:
+        """Feed tokens; logits (V,) of the last one."""
+        if len(tokens) and self.length + len(tokens) > self.max_len:
+            raise ValueError(f"the draft holds {self.max_len} positions; this step needs {self.length + len(tokens)}")
+        logits = self.pool.forward(tokens, self.length, self.blocks)
+        self.length += len(tokens)
+        return logits
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
                 generator) -> tuple[list[int], torch.Tensor | None]:
         """k tokens drafted one by one, and q (k, V) they were drawn from (None when greedy)."""
         if k == 0:
             return [], None
-        logits = self.state.step(context[self.state.length:])            # (V,): unseen tail, >= 1 token
+        # the last context token is always fed: drafts of a round that was never verified (the request
+        # was not scheduled) are forgotten here, and the step has a token to give logits for
+        self.rollback(len(context) - 1)
+        logits = self.step(context[self.length:])                     # (V,): unseen tail, >= 1 token
         tokens, qs = [], []
         for i in range(k):
             if params.greedy:
@@ -290,24 +353,31 @@ class ModelDraft:
                 qs.append(q)
             tokens.append(token)
             if i + 1 < k:                                               # d_k itself is never fed
-                logits = self.state.step([token])
+                logits = self.step([token])
         return tokens, (torch.stack(qs) if qs else None)
 
     def rollback(self, length: int) -> None:
-        self.state.rollback(length)
+        """Forget cached positions >= length (rejected guesses); the blocks stay this sequence's."""
+        self.length = min(self.length, length)
+
+    def release(self) -> None:
+        """The sequence is over: its blocks go back to the pool."""
+        if self.pool is not None:
+            self.pool.give_back(self.blocks)
+        self.blocks, self.length = [], 0
 
 
-# Process-wide cache of draft weights, keyed weakly by the target model: they depend on the target's
-# weights alone, so every LLM, benchmark and notebook drafting for one target shares them, and they
-# are freed with it.
+# Draft weights, built once per target and kept while it lives (weak keys): they depend on the target's
+# weights alone, so every LLM, benchmark and notebook drafting for one target shares them. A cache of
+# derived weights, not a switch: what runs does not depend on whether an entry exists.
 _drafts: "weakref.WeakKeyDictionary[Llama, dict]" = weakref.WeakKeyDictionary()
 
 
-def make_draft(target: Llama, method: str):
-    """A fresh proposer for one request. The draft *weights* are built once per target and reused."""
-    check_args(method, 1)
-    if method == "ngram":
-        return NgramDraft()
+def draft_model(target: Llama, method: str) -> Llama:
+    """The draft model of a model-based method ("draft": bf16_copy; "layerskip": layer_subset without
+    default_skipped_layers), built once per target and reused."""
+    if method not in ("draft", "layerskip"):
+        raise ValueError(f"speculative_method = {method!r} has no draft model; allowed: 'draft', 'layerskip'")
     built = _drafts.setdefault(target, {})
     if method not in built:
         if method == "draft":
@@ -315,12 +385,21 @@ def make_draft(target: Llama, method: str):
         else:
             skip = set(default_skipped_layers(target.cfg.n_layers))
             built[method] = layer_subset(target, [i for i in range(target.cfg.n_layers) if i not in skip])
-    return ModelDraft(built[method])
+    return built[method]
+
+
+def make_draft(target: Llama, method: str, pool: DraftPool | None = None):
+    """A fresh proposer for one request. The draft *weights* are built once per target and reused;
+    pool: a DraftPool of that draft model to share (model methods only; None: the draft's own)."""
+    check_args(method, 1)
+    if method == "ngram":
+        return NgramDraft()
+    return ModelDraft(draft_model(target, method), pool)
 
 
 def bf16_copy(target: Llama) -> Llama:
     """The separate draft model: every weight of the target stored in bfloat16 (half the bytes),
-    fused like the target so it runs on the same fast path."""
+    fused like the target so it runs the same way."""
     fused = (".wqkv.", ".w_gate_up.")
     state = {name: t.to(torch.bfloat16) for name, t in target.state_dict().items()
              if not any(f in name for f in fused)}
@@ -332,7 +411,7 @@ def bf16_copy(target: Llama) -> Llama:
     return draft.eval()
 
 
-# ---- the runner ---------------------------------------------------------------------------------------
+# ---- statistics and argument checks -------------------------------------------------------------------
 
 @dataclass
 class SpecStats:
@@ -384,63 +463,7 @@ def check_args(method: str, k: int) -> None:
         raise ValueError(f"num_speculative_tokens = {k!r} is invalid; allowed: an integer in 1..{MAX_SPECULATIVE_TOKENS}")
 
 
-@torch.no_grad()
-def speculative_stream(llm, req, method: str, k: int, stats: SpecStats | None = None,
-                       draft=None) -> Iterator[str]:
-    """Run one request with speculative decoding, yielding new visible text after every token
-    (the contract of LLM.stream_request). draft: a proposer from make_draft (built if None)."""
-    check_args(method, k)
-    draft = draft or make_draft(llm.model, method)
-    stats = stats if stats is not None else SpecStats()
-    stats.k = k
-    params = req.params
-    # NEW: adaptive. t(T) = a + b T of a target call over T tokens, fitted to this request's calls; a
-    # round drafts only the guesses that pay (plan_draft_lengths with one request).
-    cost = StepCostModel() if getattr(llm, "speculative_policy", "always") == "adaptive" else None
-    room = min(llm.max_model_len, len(req.prompt_token_ids) + params.max_tokens) + k + 1
-    target = Stepper(llm.model, room)
-    if isinstance(draft, ModelDraft):
-        draft.reset(room)
-
-    # Prefill exactly as the plain runner does; the first token is sampled from the target.
-    if params.prompt_logprobs is not None:
-        logits = target.step_all(req.prompt_token_ids)                          # (T, V)
-        llm.output_processor.set_prompt_logprobs(req, logits)
-        logits = logits[-1]
-    else:
-        logits = target.step(req.prompt_token_ids)                              # (V,)
-    yield llm.output_processor.append(req, logits)
-    while not req.finished:
-        context = req.all_token_ids                # the target's cache holds all but the last
-        left = min(params.max_tokens - len(req.output_token_ids), llm.max_model_len - len(context))
-        k_round = min(k, left - 1)
-        if cost is not None and k_round > 0:
-            alpha = estimate_alpha(stats.accepted, stats.rejections)
-            per_draft = stats.draft_seconds / stats.drafted if stats.drafted and isinstance(draft, ModelDraft) else 0.0
-            k_round = plan_draft_lengths([alpha], [k_round], 1, 1, cost.fit(), per_draft)[0]
-        t0 = time.perf_counter()
-        guesses, q = draft.propose(context, k_round, params, req.generator)    # NEW: draft
-        t1 = time.perf_counter()
-        if guesses:
-            logits = target.step_all(context[-1:] + guesses)                    # NEW: (n+1, V) at once
-        else:
-            logits = target.step(context[-1:])[None]                            # (1, V) plain step
-        if cost is not None:
-            cost.observe(1 + len(guesses), time.perf_counter() - t1)
-        tokens, accepted = verify(guesses, q, logits, params, req.generator)    # NEW: accept/reject
-        stats.target_seconds += time.perf_counter() - t1
-        stats.draft_seconds += t1 - t0
-        # NEW: roll back. Both caches keep the context plus the accepted guesses; the token the
-        # target just added is fed at the start of the next round.
-        kept = len(context) + accepted
-        target.rollback(kept)
-        draft.rollback(kept)
-        _count(stats, len(guesses), accepted)
-        for i in range(accepted + 1):
-            yield llm.output_processor.append(req, logits[i], tokens[i])   # the verifier's token
-            if req.finished:                       # a stop inside the run discards the rest
-                return
-
+# ---- one request's verification: the rules above on its logits -----------------------------------------
 
 def verify(guesses: list[int], q: torch.Tensor | None, logits: torch.Tensor, params: SamplingParams,
            generator) -> tuple[list[int], int]:
@@ -455,12 +478,3 @@ def verify(guesses: list[int], q: torch.Tensor | None, logits: torch.Tensor, par
             q = F.one_hot(drafted[0], p.shape[-1]).to(p.dtype)                  # (n, V)
         tokens, accepted = rejection_sample(drafted, q[None].to(p.dtype), p[None], generator)
     return tokens[0].tolist(), int(accepted[0])
-
-
-def _count(stats: SpecStats, drafted: int, accepted: int) -> None:
-    stats.target_calls += 1
-    stats.drafted += drafted
-    stats.accepted += accepted
-    stats.rejections += int(accepted < drafted)
-    stats.emitted += accepted + 1
-    stats.accepted_per_call.append(accepted)

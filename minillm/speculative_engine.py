@@ -1,6 +1,7 @@
 """Speculative decoding inside continuous batching: drafts ride in the engine's own step.
 
-minillm/speculative.py runs one request at a time beside the engine. Servers (vLLM v1, SGLang)
+Lesson 08's teaching loop (minillm/speculative_loop.py) runs one request at a time beside the engine,
+with the rules and drafts of minillm/speculative.py, which this file shares. Servers (vLLM v1, SGLang)
 speculate inside the batch instead, and the engine's one idea carries it: a request's
 num_computed_tokens may catch up by more than one token per step.
 
@@ -35,8 +36,8 @@ import time
 
 import torch
 
-from .speculative import (ModelDraft, NgramDraft, StepCostModel, estimate_alpha,
-                          expected_tokens_per_call, make_draft, plan_draft_lengths, verify)
+from .speculative import (DraftPool, ModelDraft, NgramDraft, StepCostModel, draft_model, estimate_alpha,
+                          expected_tokens_per_call, plan_draft_lengths, verify)
 
 
 def roofline_speedup(alpha: float, k: int, batch: int, ridge_tokens: float) -> float:
@@ -57,7 +58,10 @@ def crossover_batch(alpha: float, k: int, ridge_tokens: float) -> float:
 
 
 class EngineSpeculation:
-    """The engine's speculative decoding: proposers, the policy, verification, statistics."""
+    """The engine's speculative decoding: proposers, the policy, verification, statistics. A draft model
+    ("draft", "layerskip") runs on one DraftPool (speculative.py: the production ModelRunner over a paged
+    cache of its own), built with the engine and shared by its requests, each a ModelDraft holding its
+    own blocks; a request that finished gives them back when the next step proposes."""
 
     def __init__(self, llm, config):
         """config: a config.SpeculativeConfig with a method (validated there)."""
@@ -66,6 +70,12 @@ class EngineSpeculation:
         self.llm, self.method, self.k, self.policy = llm, config.method, config.num_speculative_tokens, config.policy
         self.cost = StepCostModel()
         self.ngram = NgramDraft() if self.method == "ngram" else None
+        # A draft model ("draft", "layerskip") runs through the production forward: one DraftPool (a
+        # ModelRunner over a paged cache of its own) shared by every request, each holding its own blocks.
+        self.pool = None if self.method == "ngram" else DraftPool(
+            draft_model(llm.model, self.method), llm.max_model_len + self.k + 1,
+            attention_backend=llm.attention_backend)
+        self.drafting: list = []                # requests whose ModelDraft holds blocks of the pool
         self.drafted = self.accepted = self.rejections = self.verify_runs = 0
         self.draft_seconds = 0.0
 
@@ -73,6 +83,7 @@ class EngineSpeculation:
     def propose(self, running: list, max_num_batched_tokens: int) -> None:
         """Give each decoding request (not guided; its pending token is its only uncomputed one)
         its drafts for the next step, as many as the policy allows."""
+        self._release_finished()
         decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1 and r.guide is None]
         for r in running:
             r.spec_token_ids, r.spec_probs = [], None
@@ -101,10 +112,18 @@ class EngineSpeculation:
         if self.ngram is not None:
             return self.ngram
         if r.drafter is None:
-            r.drafter = make_draft(self.llm.model, self.method)
+            r.drafter = ModelDraft(self.pool.model, self.pool)
             room = min(self.llm.max_model_len, len(r.prompt_token_ids) + r.params.max_tokens) + self.k + 1
             r.drafter.reset(room)
+            self.drafting.append(r)
         return r.drafter
+
+    def _release_finished(self) -> None:
+        """Requests that finished (or were aborted) since the last step give their draft blocks back."""
+        for r in self.drafting:
+            if r.finished:
+                r.drafter.release()
+        self.drafting = [r for r in self.drafting if not r.finished]
 
     def alpha(self, r) -> float:
         """Acceptance probability of one draft: this request's record, pulled toward the engine's."""

@@ -53,11 +53,15 @@ def count_calls(monkeypatch, name, *modules) -> list:
 
 
 def alone(llm, prompts, params):
-    """Each request by itself on the contiguous single-sequence path (the engine tests' reference)."""
+    """Each request by itself on the contiguous single-sequence path (the engine tests' reference),
+    one lesson-02 decoder for all of them (a quantised model packs its weights once)."""
+    from minillm.fast_decode import FastDecoder
+
+    decoder = FastDecoder(llm.model, attention_backend=llm.attention_backend)
     outs = []
     for prompt, p in zip(prompts, params):
         (req,) = llm.make_requests([prompt], p)
-        for _ in stream_contiguous(llm, req):
+        for _ in stream_contiguous(llm, req, decoder):
             pass
         outs.append(req.output_token_ids)
     return outs

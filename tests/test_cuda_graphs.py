@@ -21,7 +21,7 @@ from helpers import CharTokenizer, alone, random_prompts
 from minillm import LLM, SamplingParams
 from minillm.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for
 from minillm.engine import Engine
-from minillm.fast_decode import fuse_projections
+from minillm.transforms import fuse_projections
 from minillm.kernel_args import INTERPRETED
 from minillm.model import random_model, tiny_config
 from minillm.model_runner import ModelRunner, PagedKVCache, build_batch

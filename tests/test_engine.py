@@ -139,7 +139,7 @@ def test_abort_frees_all_blocks():
     held = len(engine.block_manager.block_table(victim.request_id))
     free_before = engine.block_manager.num_free_blocks
     engine.abort_request(victim.request_id)
-    assert victim.finish_reason == "abort" and victim.request_id not in engine.block_manager.seq_ids
+    assert victim.finish_reason == "abort" and victim.request_id not in engine.block_manager.request_ids
     assert engine.block_manager.num_free_blocks == free_before + held
     while engine.has_unfinished():
         engine.step()

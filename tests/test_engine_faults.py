@@ -156,26 +156,31 @@ def test_chat_template_helpers_of_transformers():
 
 # ---- 6. only compiler failures switch compilation off --------------------------------------------
 
-def test_error_inside_compiled_step_propagates_and_compilation_stays_on(monkeypatch):
-    monkeypatch.setattr(fast_decode, "_compiler_broken", None)
+def _decoder():
+    """Lesson 02's batch-1 decoder of a tiny fused model: it records a compiler failure on itself."""
+    return fast_decode.FastDecoder(fast_decode.fuse_projections(random_model(tiny_config(), seed=0)))
+
+
+def test_error_inside_compiled_step_propagates_and_compilation_stays_on():
+    decoder = _decoder()
 
     def compiled(x):
         raise IndexError("a bug in the step, not the compiler")
     with pytest.raises(IndexError, match="not the compiler"):
-        fast_decode._run_compiled(compiled, lambda x: x + 1, 1)
-    assert fast_decode._compiler_broken is None
-    assert fast_decode.resolve_gemv("auto", "cpu") == "compiled"
+        decoder._run(compiled, lambda x: x + 1, 1)
+    assert decoder.compile_failed is None and decoder.gemv == "compiled"
 
 
-def test_compiler_failure_falls_back_to_eager(monkeypatch):
-    monkeypatch.setattr(fast_decode, "_compiler_broken", None)
+def test_compiler_failure_falls_back_to_eager():
+    decoder = _decoder()
 
     def compiled(x):
         raise torch._dynamo.exc.TorchRuntimeError("no C++ compiler")
     with pytest.warns(UserWarning, match="could not build"):
-        assert fast_decode._run_compiled(compiled, lambda x: x + 1, 1) == 2
-    assert "no C++ compiler" in fast_decode._compiler_broken
-    assert fast_decode.resolve_gemv("auto", "cpu") == "mv"
+        assert decoder._run(compiled, lambda x: x + 1, 1) == 2
+    assert "no C++ compiler" in decoder.compile_failed
+    assert decoder._run(compiled, lambda x: x + 1, 1) == 2              # eager from then on, on this decoder
+    assert _decoder().compile_failed is None                            # nothing process-wide remembers it
 
 
 # ---- 7. kernel argument checks (on the host, before launching) -------------------------------------

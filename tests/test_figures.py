@@ -127,7 +127,7 @@ def test_kv_cache_benchmark_puts_its_plot_beside_its_json(tmp_path, monkeypatch)
     from minillm.benchmarks import kv_cache as bench
 
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: (random_model(tiny_config(), seed=0), None))
-    monkeypatch.setattr(bench, "batch1_vs_hf", lambda *a: {"ours_vs_hf": 1.0, "fraction_of_bound": 1.0})  # real model
+    monkeypatch.setattr(bench, "batch1_vs_hf", lambda dtype, n: {"dtype": dtype, "ours_vs_hf": 1.0, "fraction_of_bound": 1.0, "decode_build": "default"})  # real model
     monkeypatch.chdir(tmp_path)
     bench.run(quick=True, json_path=str(tmp_path / "kv-cache-other.json"))
     assert (tmp_path / "kv-cache-other-latency.png").is_file()

@@ -58,17 +58,14 @@ def test_every_attention_backend_computes_the_same_attention(T, S):
 
 
 def test_an_unknown_attention_backend_is_refused_by_one_check_everywhere(tiny_model):
-    """Llama.forward, forward_fast and LLM share one check, whose error names every allowed value."""
+    """Llama.forward, fast_decode.FastDecoder and LLM share one check, whose error names every allowed value."""
     from minillm import LLM
-    from minillm.fast_decode import forward_fast, fuse_projections
-    from minillm.kv_cache import KVCache
-    from minillm.positions import RopeTable
+    from minillm.fast_decode import FastDecoder, fuse_projections
 
     cfg, ids = tiny_model.cfg, torch.tensor([[1, 2, 3]])
     fast_model = fuse_projections(random_model(cfg, seed=1))
-    rope = RopeTable(cfg.head_dim, cfg.rope_theta, 8, "cpu")
     calls = (lambda: tiny_model(ids, attention_backend="xformers"),
-             lambda: forward_fast(fast_model, ids, KVCache(cfg, 1, 8), rope, attention_backend="xformers"),
+             lambda: FastDecoder(fast_model, attention_backend="xformers"),
              lambda: LLM(model=tiny_model, attention_backend="xformers"))
     for call in calls:
         with pytest.raises(ValueError, match="'xformers' is not supported; allowed: 'naive' .*'sdpa' .*'flash'"):

@@ -18,7 +18,7 @@ from minillm.model import random_model, tiny_config
 from minillm.model_runner import ModelRunner
 from minillm.reference import stream_contiguous
 
-TEACHING_STAGES = {"minillm.kv_cache", "minillm.fast_decode", "minillm.speculative", "minillm.reference",
+TEACHING_STAGES = {"minillm.kv_cache", "minillm.fast_decode", "minillm.speculative_loop", "minillm.reference",
                    "minillm.static_batching"}
 BELOW_THE_RUNNER = {"minillm.model_runner", "minillm.layer", "minillm.positions", "minillm.model", "minillm.prepacked",
                     "minillm.attention", "minillm.paged_attention"}

@@ -15,13 +15,27 @@ import pytest
 
 from minillm.block_manager import BlockManager, OutOfBlocks
 from minillm.prefix_cache import ROOT_HASH, PrefixCache, chain_hashes, hash_block
+from minillm.request import Request
 
 
-def computed(bm, seq, tokens):
-    """Allocate a sequence and pretend the model computed all its tokens."""
-    cached = bm.allocate(seq, tokens)
-    bm.mark_computed(seq, len(tokens))
+def admit(bm, request_id, tokens):
+    """Allocate a request as the scheduler does: its computed count starts at the prefix hit."""
+    req = Request.from_token_ids(request_id, tokens)
+    req.num_computed_tokens = bm.allocate(req)
+    return req
+
+
+def computed(bm, request_id, tokens):
+    """Allocate a request and pretend the model computed all its tokens. -> its cached tokens."""
+    req = admit(bm, request_id, tokens)
+    cached = req.num_computed_tokens
+    req.num_computed_tokens = req.num_tokens
+    bm.cache_blocks(req)
     return cached
+
+
+def allocate(bm, request_id, tokens):
+    return admit(bm, request_id, tokens).num_computed_tokens
 
 
 # --- hashing ----------------------------------------------------------------------------
@@ -81,22 +95,23 @@ def test_full_prefix_hit_still_computes_one_token():
     tokens = list(range(32))
     computed(bm, "a", tokens)
     bm.free("a")
-    cached = bm.allocate("b", tokens)
-    assert cached == 16 and cached <= len(tokens) - 1                  # the hit is whole blocks
-    assert bm.num_computed_tokens("b") == 16
-    assert bm.allocate("c", tokens + [5]) == 32                        # one more token: 2 blocks hit
-    assert bm.allocate("d", tokens[:1]) == 0
+    b = admit(bm, "b", tokens)
+    assert b.num_computed_tokens == 16 and b.num_computed_tokens <= len(tokens) - 1   # the hit is whole blocks
+    assert allocate(bm, "c", tokens + [5]) == 32                       # one more token: 2 blocks hit
+    assert allocate(bm, "d", tokens[:1]) == 0
 
 
 def test_blocks_are_findable_only_once_computed():
     bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
     tokens = list(range(13))
-    bm.allocate("a", tokens)                                           # not computed yet
-    assert bm.allocate("b", tokens) == 0
-    bm.mark_computed("a", 6)                                           # chunked prefill: 1.5 blocks
-    assert bm.allocate("c", tokens) == 4
-    bm.mark_computed("a", 13)
-    assert bm.allocate("d", tokens) == 12
+    a = admit(bm, "a", tokens)                                         # not computed yet
+    assert allocate(bm, "b", tokens) == 0
+    a.num_computed_tokens = 6                                          # chunked prefill: 1.5 blocks
+    bm.cache_blocks(a)
+    assert allocate(bm, "c", tokens) == 4
+    a.num_computed_tokens = 13
+    bm.cache_blocks(a)
+    assert allocate(bm, "d", tokens) == 12
 
 
 def test_same_prompt_computed_twice_keeps_one_cached_copy():
@@ -104,16 +119,16 @@ def test_same_prompt_computed_twice_keeps_one_cached_copy():
     the name, the duplicate goes back to the plain free list when freed."""
     bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
     tokens = list(range(9))
-    bm.allocate("a", tokens)
-    bm.allocate("b", tokens)
-    bm.mark_computed("a", 9)
-    bm.mark_computed("b", 9)
+    a, b = admit(bm, "a", tokens), admit(bm, "b", tokens)
+    for req in (a, b):
+        req.num_computed_tokens = 9
+        bm.cache_blocks(req)
     assert bm.prefix_cache.num_cached == 2
     duplicates = bm.block_table("b")[:2]
     bm.free("b")
     assert all(not bm.prefix_cache.is_cached(x) for x in duplicates)
     assert set(duplicates) <= set(bm.pool.free_block_ids())
-    assert bm.allocate("c", tokens) == 8 and bm.block_table("c")[:2] == bm.block_table("a")[:2]
+    assert allocate(bm, "c", tokens) == 8 and bm.block_table("c")[:2] == bm.block_table("a")[:2]
 
 
 # --- finished sequences, eviction, preemption -------------------------------------------
@@ -130,7 +145,7 @@ def test_freed_blocks_stay_cached_and_are_evicted_lru_tail_first():
     assert a_blocks[2] in bm.block_table("x")                          # the tail of a's prefix went first
     assert bm.prefix_cache.num_evictable == 2
     bm.free("x")
-    assert bm.allocate("a2", a) == 8 and bm.block_table("a2")[:2] == a_blocks[:2]
+    assert allocate(bm, "a2", a) == 8 and bm.block_table("a2")[:2] == a_blocks[:2]
 
 
 def test_prefix_hit_after_blocks_were_freed_and_reallocated():
@@ -141,11 +156,13 @@ def test_prefix_hit_after_blocks_were_freed_and_reallocated():
     bm = BlockManager(num_blocks=5, block_size=bs, enable_prefix_caching=True)
     written = {}                                                       # slot -> token prefix there
 
-    def run(seq, tokens):
-        cached = bm.allocate(seq, tokens)
-        for p, slot in zip(range(cached, len(tokens)), bm.slot_mapping(seq, cached, len(tokens))):
+    def run(request_id, tokens):
+        req = admit(bm, request_id, tokens)
+        cached = req.num_computed_tokens
+        for p, slot in zip(range(cached, len(tokens)), bm.slot_mapping(request_id, cached, len(tokens))):
             written[slot] = tuple(tokens[:p + 1])
-        bm.mark_computed(seq, len(tokens))
+        req.num_computed_tokens = len(tokens)
+        bm.cache_blocks(req)
         return cached
 
     a = list(range(16)) + [1]                                          # 4 full blocks + 1
@@ -163,15 +180,19 @@ def test_preempted_sequence_hits_its_own_blocks_with_fresh_counters():
     """Regression: preemption by recompute frees everything; re-admission with prompt + the
     tokens generated so far hits the blocks it had computed, and num_computed restarts there."""
     bm = BlockManager(num_blocks=32, block_size=4, enable_prefix_caching=True)
-    tokens = list(range(10))
-    computed(bm, "r", tokens)
+    r = admit(bm, "r", list(range(10)))
+    r.num_computed_tokens = r.num_tokens
+    bm.cache_blocks(r)
     for t in (70, 71, 72, 73):                                         # four decode steps
-        tokens = tokens + [t]
-        bm.append_slots("r", tokens)
-        bm.mark_computed("r", len(tokens))
-    bm.free("r")                                                       # preempted
-    assert bm.allocate("r", tokens) == 12                              # (14 - 1) // 4 blocks
-    assert bm.num_computed_tokens("r") == 12 and bm.num_tokens("r") == 14
+        r.output_token_ids.append(t)
+        bm.append_slots(r, r.num_tokens)
+        r.num_computed_tokens = r.num_tokens
+        bm.cache_blocks(r)
+    bm.free("r")                                                       # preempted: its count
+    r.num_computed_tokens = 0                                          # goes back to 0 (Scheduler._preempt)
+    r.num_computed_tokens = bm.allocate(r)
+    assert r.num_computed_tokens == 12                                 # (14 - 1) // 4 blocks
+    assert bm.num_slots("r") == 14 and r.num_tokens == 14
 
 
 def test_can_allocate_counts_evictable_hits_as_used():
@@ -181,11 +202,12 @@ def test_can_allocate_counts_evictable_hits_as_used():
     a = list(range(8)) + [1]                                           # 2 full blocks + 1
     computed(bm, "a", a)
     bm.free("a")                                                       # free: 3 plain + 2 evictable
-    bm.allocate("y", [7] * 12)                                         # takes the 3 plain ones
+    allocate(bm, "y", [7] * 12)                                        # takes the 3 plain ones
     assert bm.num_free_blocks == 2
-    assert not bm.can_allocate(a)                                      # 2 hits revived + 1 new > 2
+    a2 = Request.from_token_ids("a2", a)
+    assert not bm.can_allocate(a2)                                     # 2 hits revived + 1 new > 2
     with pytest.raises(OutOfBlocks):
-        bm.allocate("a2", a)
+        bm.allocate(a2)
     assert bm.num_free_blocks == 2 and bm.prefix_cache.num_evictable == 2
     bm.free("y")
-    assert bm.can_allocate(a) and bm.allocate("a2", a) == 8
+    assert bm.can_allocate(a2) and bm.allocate(a2) == 8

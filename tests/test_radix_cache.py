@@ -14,6 +14,7 @@ from minillm.__main__ import build_parser, main
 from minillm.block_manager import BlockManager, OutOfBlocks
 from minillm.model import random_model, tiny_config
 from minillm.radix_cache import RadixCache
+from minillm.request import Request
 
 MODES = {"none": {}, "hash": dict(enable_prefix_caching=True),
          "radix": dict(enable_prefix_caching=True, prefix_cache="radix")}
@@ -24,10 +25,22 @@ def shape(node):
     return {tuple(child.blocks): shape(child) for child in node.children.values()}
 
 
-def computed(bm, seq, tokens):
-    """Allocate a sequence and pretend the model computed all its tokens."""
-    cached = bm.allocate(seq, tokens)
-    bm.mark_computed(seq, len(tokens))
+def computed(bm, request_id, tokens):
+    """Allocate a request and pretend the model computed all its tokens. -> its cached tokens."""
+    req = Request.from_token_ids(request_id, tokens)
+    cached = bm.allocate(req)
+    req.num_computed_tokens = req.num_tokens
+    bm.cache_blocks(req)
+    return cached
+
+
+def allocated_together(bm, prompts):
+    """Requests admitted in the same step (nothing computed yet), then all computed. -> their cached tokens."""
+    reqs = [Request.from_token_ids(request_id, tokens) for request_id, tokens in prompts.items()]
+    cached = [bm.allocate(req) for req in reqs]
+    for req in reqs:
+        req.num_computed_tokens = req.num_tokens
+        bm.cache_blocks(req)
     return cached
 
 
@@ -74,10 +87,7 @@ def test_same_prompt_computed_together_keeps_one_copy():
     held_blocks = {}
     for kind in ("hash", "radix"):
         bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True, prefix_cache=kind)
-        bm.allocate("a", tokens)
-        bm.allocate("b", tokens)
-        bm.mark_computed("a", 9)
-        bm.mark_computed("b", 9)
+        allocated_together(bm, {"a": tokens, "b": tokens})
         assert bm.prefix_cache.num_cached == 2
         held_blocks[kind] = 16 - bm.num_free_blocks
         if kind == "radix":
@@ -111,10 +121,11 @@ def test_a_held_block_is_never_evicted():
     bm.free("old")
     assert bm.num_free_blocks == 3 and bm.prefix_cache.num_evictable == 1
     computed(bm, "x", [90] * 12)                                      # 2 plain blocks + old's evicted
-    assert bm.num_free_blocks == 0 and not bm.can_allocate([91])
+    y = Request.from_token_ids("y", [91])
+    assert bm.num_free_blocks == 0 and not bm.can_allocate(y)
     with pytest.raises(OutOfBlocks):                                  # a's cached blocks are not taken
-        bm.allocate("y", [91])
-    assert bm.cached_prefix_tokens(list(range(8)) + [1]) == 8
+        bm.allocate(y)
+    assert bm.cached_prefix_tokens(Request.from_token_ids("z", list(range(8)) + [1])) == 8
 
 
 def test_the_tree_keeps_a_shared_trunk_the_hash_chain_loses():
@@ -127,19 +138,17 @@ def test_the_tree_keeps_a_shared_trunk_the_hash_chain_loses():
     for kind in ("hash", "radix"):
         bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True, prefix_cache=kind)
         trunk = list(range(8))
-        for seq, branch in (("a", [20, 21, 22, 23]), ("b", [30, 31, 32, 33])):
-            bm.allocate(seq, trunk + branch + [0])
-        for seq in ("a", "b"):
-            bm.mark_computed(seq, 13)
+        allocated_together(bm, {"a": trunk + [20, 21, 22, 23, 0], "b": trunk + [30, 31, 32, 33, 0]})
         b_leaf = bm.block_table("b")[2]
         bm.free("a")
         bm.free("b")
         assert bm.num_free_blocks == 10 and bm.prefix_cache.num_evictable == 4
         computed(bm, "x", [90] * 32)                                  # 6 plain free blocks + 2 evicted
-        hits[kind] = bm.cached_prefix_tokens(trunk + [40, 41, 42, 43, 0])
+        hits[kind] = bm.cached_prefix_tokens(Request.from_token_ids("c", trunk + [40, 41, 42, 43, 0]))
         if kind == "hash":
             assert bm.prefix_cache.is_cached(b_leaf)                  # still cached ...
-            assert bm.cached_prefix_tokens(trunk + [30, 31, 32, 33, 0]) == 4   # ... but unreachable
+            b_again = Request.from_token_ids("b2", trunk + [30, 31, 32, 33, 0])
+            assert bm.cached_prefix_tokens(b_again) == 4              # ... but unreachable
     assert hits == {"hash": 4, "radix": 8}
 
 

@@ -77,7 +77,7 @@ def test_every_request_completes_and_no_block_leaks():
         sched.add(r)
     run_to_end(sched)
     assert all(len(r.output_token_ids) == r.params.max_tokens for r in reqs)
-    assert bm.num_free_blocks == 40 and bm.seq_ids == []
+    assert bm.num_free_blocks == 40 and bm.request_ids == []
 
 
 def test_preemption_frees_the_newest_and_it_resumes_first():

@@ -1,18 +1,22 @@
 """Speculative decoding is exact: greedy output is token-identical to plain decoding, and the
-rejection sampler's output distribution is the target's (chi-square, vLLM's convergence test)."""
+rejection sampler's output distribution is the target's (chi-square, vLLM's convergence test).
+The rules and drafts are minillm/speculative.py; the per-request loop that runs them here is lesson 08's
+teaching stage, minillm/speculative_loop.py (the engine's speculation: tests/test_speculative_engine.py)."""
 import pytest
 import torch
 
 from helpers import CharTokenizer
 from minillm.config import EngineConfig
+from minillm.fast_decode import FastDecoder
 from minillm import LLM, SamplingParams
 from minillm.output_processor import OutputProcessor
 from minillm.reference import stream_contiguous
 from minillm.model import random_model, tiny_config
 from minillm.sampling import filtered_probs
-from minillm.speculative import (METHODS, ModelDraft, NgramDraft, SpecStats, Stepper, acceptance_probability, best_k,
-                                 check_args, default_skipped_layers, expected_speedup, expected_tokens_per_call,
-                                 greedy_verify, layer_subset, make_draft, rejection_sample, speculative_stream, verify)
+from minillm.speculative import (METHODS, DraftPool, ModelDraft, NgramDraft, SpecStats, acceptance_probability,
+                                 best_k, check_args, default_skipped_layers, expected_speedup, expected_tokens_per_call,
+                                 greedy_verify, layer_subset, make_draft, rejection_sample, verify)
+from minillm.speculative_loop import Stepper, speculative_stream
 
 V = 10                                 # small vocabulary for the statistical tests
 
@@ -253,18 +257,56 @@ def test_tiny_bf16_draft_accepts_almost_everything(tiny_model):
 
 
 def test_draft_rollback_leaves_a_cache_equal_to_a_fresh_one(tiny_model):
+    """Both caches a speculative round rolls back: the draft model's (ModelDraft, its paged cache
+    written by position) and the teaching loop's target (Stepper: the contiguous KVCache, truncated)."""
     context = [7, 8, 9, 10, 11]
     greedy = SamplingParams(temperature=0)
     used = ModelDraft(tiny_model)
     used.reset(64)
     guesses, _ = used.propose(context, 5, greedy, None)
-    assert used.state.length == len(context) + 4                       # d_k is never fed
+    assert used.length == len(context) + 4                             # d_k is never fed
     used.rollback(len(context) + 2)                                    # keep two guesses
     context2 = context + guesses[:2] + [3]                             # plus the target's token
     fresh = ModelDraft(tiny_model)
     fresh.reset(64)
     assert used.propose(context2, 4, greedy, None)[0] == fresh.propose(context2, 4, greedy, None)[0]
-    assert used.state.length == fresh.state.length
+    assert used.length == fresh.length
+    decoder = FastDecoder(tiny_model)
+    target = Stepper(decoder, 64)
+    target.step(context + guesses)
+    target.rollback(len(context) + 2)                                  # KVCache.truncate
+    again = Stepper(decoder, 64)
+    torch.testing.assert_close(target.step([3]), again.step(context2), rtol=1e-5, atol=1e-5)
+    assert target.length == again.length == len(context2)
+
+
+def test_draft_pool_shared_by_requests_grows_and_takes_its_blocks_back(tiny_model):
+    """ModelDrafts sharing one DraftPool (the engine's way) each hold their own blocks and propose what a
+    draft alone proposes; when the free list runs out the pool doubles, the cached blocks copied across
+    (a draft that was mid-sequence goes on unchanged); release() gives the blocks back."""
+    greedy = SamplingParams(temperature=0)
+    pool = DraftPool(tiny_model, 64, num_blocks=2, block_size=4)
+    contexts = [[7, 8, 9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6]]
+    drafts = [ModelDraft(tiny_model, pool) for _ in contexts]
+    for draft in drafts:
+        draft.reset(64)
+    first = [draft.propose(c, 4, greedy, None)[0] for draft, c in zip(drafts, contexts)]
+    assert pool.num_blocks > 2 and set(drafts[0].blocks).isdisjoint(drafts[1].blocks)
+    for draft, c, guesses in zip(drafts, contexts, first):
+        alone = ModelDraft(tiny_model)
+        alone.reset(64)
+        assert alone.propose(c, 4, greedy, None)[0] == guesses
+        draft.rollback(len(c) + 1)                                     # one guess accepted, then the target's token
+        longer = c + guesses[:1] + [2]
+        again = ModelDraft(tiny_model)
+        again.reset(64)
+        assert draft.propose(longer, 6, greedy, None)[0] == again.propose(longer, 6, greedy, None)[0]
+    assert len(pool.free) + sum(len(d.blocks) for d in drafts) == pool.num_blocks
+    for draft in drafts:
+        draft.release()
+    assert len(pool.free) == pool.num_blocks and drafts[0].length == 0
+    with pytest.raises(ValueError, match="does not fit"):
+        drafts[0].reset(65)
 
 
 def test_tiny_seeded_sampling_reproduces_and_respects_max_tokens(tiny_model):
@@ -407,28 +449,29 @@ def test_ngram_vectorised_search_proposes_exactly_what_the_loops_did():
         assert got == (_ngram_reference(context, k, max_n, min_n), None), (context, k, max_n, min_n)
 
 
-def test_step_all_on_a_fused_model_runs_forward_verify_and_rolls_back_without_copying(tiny_model, monkeypatch):
-    """A fused model verifies through fast_decode.forward_verify (run eagerly here: the compiled
-    layers have their own tests in test_fast_decode.py) with forward_cached's logits; rollback only
-    shortens the cache, and the next round overwrites the rejected positions."""
-    from minillm import fast_decode, speculative
+def test_step_all_on_a_fused_model_runs_the_verify_step_and_rolls_back_without_copying(tiny_model, monkeypatch):
+    """A fused model verifies through FastDecoder.verify (run eagerly here: the compiled layers have
+    their own tests in test_fast_decode.py) with forward_cached's logits; rollback only shortens the
+    cache, and the next round overwrites the rejected positions."""
+    from minillm import fast_decode
 
     calls = []
+    verify_step = FastDecoder.verify
 
-    def counting(model, ids, cache, rope):
+    def counting(self, ids, cache, rope):
         calls.append(ids.shape[1])
-        return fast_decode.forward_verify(model, ids, cache, rope)
+        return verify_step(self, ids, cache, rope)
 
-    monkeypatch.setattr(speculative, "forward_verify", counting)
+    monkeypatch.setattr(FastDecoder, "verify", counting)
     monkeypatch.setattr(fast_decode, "_compiled_verify_layer", fast_decode.verify_layer)
     monkeypatch.setattr(fast_decode, "_compiled_dot", fast_decode._rowwise_dot)   # the prefill's LM head GEMV
     context, guesses = [5, 17, 99, 5, 17, 42, 7], [5, 17, 99, 5]
-    baseline = Stepper(tiny_model, 32)                                 # not fused: forward_cached
+    baseline = Stepper(FastDecoder(tiny_model), 32)                    # not fused: forward_cached
     baseline.step(context)
     want = baseline.step_all(guesses)                                  # (4, V)
     assert calls == []
     fast_decode.fuse_projections(tiny_model)
-    fast = Stepper(tiny_model, 32)
+    fast = Stepper(FastDecoder(tiny_model), 32)
     fast.step(context)
     keys = fast.cache.k.data_ptr()
     torch.testing.assert_close(fast.step_all(guesses), want, rtol=1e-5, atol=1e-5)

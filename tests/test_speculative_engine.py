@@ -13,6 +13,7 @@ from minillm import LLM, SamplingParams
 from minillm.model import random_model, tiny_config
 from minillm.speculative import StepCostModel, plan_draft_lengths
 from minillm.speculative_engine import crossover_batch, roofline_speedup
+from test_one_path import TEACHING_STAGES, modules_entered
 from test_speculative import chi2_pvalue
 
 LENGTHS = [1, 5, 17, 33, 64, 100, 3, 40]
@@ -53,6 +54,71 @@ def test_greedy_equals_the_engine_without_speculation(model, method):
     assert token_ids(spec, prompts, params) == expected
     assert_drafts_were_verified(spec)
     assert spec.engine.step_log[0]["num_seqs"] > 1                     # they really shared steps
+
+
+# ---- the draft model runs on the production forward, never through a teaching stage ----------------
+
+def library_imports(start: str) -> set[str]:
+    """minillm modules reachable from module `start` through its imports (module level or inside a
+    function, read from the source: what can be imported, whatever ran before in this process)."""
+    import ast
+    from pathlib import Path
+
+    top = Path(__file__).resolve().parents[1]
+
+    def path_of(name):
+        for p in (top / (name.replace(".", "/") + ".py"), top / name.replace(".", "/") / "__init__.py"):
+            if p.exists():
+                return p
+        return None
+
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = path_of(name)
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                found = [module] + [f"{module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            else:
+                continue
+            todo += [m for m in found if m.startswith("minillm") and path_of(m) is not None]
+    return seen
+
+
+@pytest.mark.parametrize("method", ["draft", "layerskip"])
+def test_model_drafts_run_on_the_production_forward_and_never_enter_a_teaching_stage(model, method):
+    """The engine's speculation with a draft model: greedy output identical to the engine without
+    speculation (fp32), the drafts verified, the draft model stepped by its DraftPool's ModelRunner
+    (one-token draft steps on the compiled decode step), and no teaching stage (fast_decode, the
+    per-request loop, the contiguous cache) entered while it runs, nor importable from the engine's
+    speculation."""
+    prompts, params = workload(model.cfg.vocab_size)
+    expected = token_ids(make_llm(model), prompts, params)
+    spec = make_llm(model, speculative_method=method, num_speculative_tokens=4, speculative_policy="always")
+    token_ids(spec, prompts[:2], params[:2])                           # warm-up: compiles, allocates
+    got = []
+    entered = modules_entered(lambda: got.append(token_ids(spec, prompts, params)))
+    assert got == [expected]
+    assert_drafts_were_verified(spec)
+    assert not entered & (TEACHING_STAGES | {"minillm.speculative_loop"}), entered & TEACHING_STAGES
+    assert {"minillm.speculative_engine", "minillm.speculative", "minillm.model_runner", "minillm.layer"} <= entered
+    speculation = spec.engine.speculation
+    pool = speculation.pool
+    assert pool.runner.compiled_decode_steps > 0 and pool.runner.compile_failed is None
+    held = sum(len(r.drafter.blocks) for r in speculation.drafting)
+    assert len(pool.free) + held == pool.num_blocks                    # no block lost
+    speculation.propose([], 1)                                         # the next step: finished ones give back
+    assert not speculation.drafting and len(pool.free) == pool.num_blocks
+    for start in ("minillm.speculative_engine", "minillm.llm"):
+        assert not library_imports(start) & {"minillm.fast_decode", "minillm.speculative_loop", "minillm.reference"}
 
 
 def test_greedy_equal_under_preemption_and_a_tight_budget(model):

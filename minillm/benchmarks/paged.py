@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +38,7 @@ import torch
 from ..block_manager import BlockManager
 from ..kv_cache import kv_cache_bytes
 from ..paged_attention import block_table_tensor
+from ..request import Request as EngineRequest
 from .common import document
 
 NAME = "paged"
@@ -55,7 +56,7 @@ class Request:
     prompt_len: int
     output_len: int
     generated: int = 0                                  # output tokens whose K/V is stored
-    tokens: list[int] = field(default_factory=list)     # synthetic ids (paged policy only)
+    engine_request: EngineRequest | None = None         # its synthetic tokens, what the BlockManager reads (paged only)
 
     @property
     def stored(self) -> int:
@@ -157,20 +158,22 @@ class PagedPolicy:
         self.recomputed_tokens = 0
 
     def try_admit(self, r: Request) -> bool:
-        if not r.tokens:
-            r.tokens = [r.rid % 50000] * r.prompt_len    # ids do not matter: no prefix caching here
-        need = -(-len(r.tokens) // self.block_size)
+        if r.engine_request is None:                     # ids do not matter: no prefix caching here
+            r.engine_request = EngineRequest.from_token_ids(str(r.rid), [r.rid % 50000] * r.prompt_len)
+        req = r.engine_request                           # after a preemption: prompt + its outputs so far
+        need = -(-req.num_tokens // self.block_size)
         if self.bm.num_free_blocks - need < self.watermark_blocks:
             return False
-        self.bm.allocate(r.rid, r.tokens)
-        self.bm.mark_computed(r.rid, len(r.tokens))      # prefill
+        self.bm.allocate(req)
+        req.num_computed_tokens = req.num_tokens         # prefill
         return True
 
     def grow(self, r: Request, running: list[Request]) -> list[Request]:
         """Append r's newest token; returns the requests preempted to make room."""
         preempted = []
-        r.tokens.append(7)
-        while not self.bm.can_append_slots(r.rid, len(r.tokens)):
+        req = r.engine_request
+        req.output_token_ids.append(7)
+        while not self.bm.can_append_slots(req, req.num_tokens):
             victim = running[-1]                         # the most recently admitted
             self.release(victim)
             running.remove(victim)
@@ -180,14 +183,14 @@ class PagedPolicy:
             victim.prompt_len, victim.output_len = victim.stored, victim.output_len - victim.generated
             victim.generated = 0                         # readmitted later with everything it has
             if victim is r:
-                r.tokens.pop()
+                req.output_token_ids.pop()
                 return preempted
-        self.bm.append_slots(r.rid, r.tokens)
-        self.bm.mark_computed(r.rid, len(r.tokens))
+        self.bm.append_slots(req, req.num_tokens)
+        req.num_computed_tokens = req.num_tokens         # its decode step
         return preempted
 
     def release(self, r: Request) -> None:
-        self.bm.free(r.rid)
+        self.bm.free(r.engine_request.request_id)
 
     def allocated(self) -> int:
         return (self.bm.num_blocks - self.bm.num_free_blocks) * self.block_size
@@ -240,13 +243,15 @@ def prefix_sharing(num_requests: int, system_len: int, block_size: int, seed: in
                       enable_prefix_caching=True)
     rows = []
     for i in range(num_requests):
-        prompt = system + rng.integers(5000, 6000, int(rng.integers(20, 81))).tolist()
-        cached = bm.allocate(i, prompt)
-        bm.mark_computed(i, len(prompt))
-        rows.append({"request": i, "prompt_tokens": len(prompt), "cached_tokens": cached,
-                     "computed_tokens": len(prompt) - cached})
+        question = rng.integers(5000, 6000, int(rng.integers(20, 81))).tolist()
+        req = EngineRequest.from_token_ids(str(i), system + question)
+        cached = bm.allocate(req)
+        req.num_computed_tokens = req.num_tokens         # prefilled: its full blocks become findable
+        bm.cache_blocks(req)
+        rows.append({"request": i, "prompt_tokens": req.num_tokens, "cached_tokens": cached,
+                     "computed_tokens": req.num_tokens - cached})
         if i % 2:                                        # half finish at once: hits on freed blocks too
-            bm.free(i)
+            bm.free(req.request_id)
     later = rows[1:]
     return {
         "rows": rows,

@@ -27,8 +27,10 @@ from ..kv_cache import generate_greedy
 from ..model import Llama
 from ..reference import stream_contiguous
 from ..sampling import SamplingParams
-from ..speculative import (METHODS, SpecStats, Stepper, bf16_copy, default_skipped_layers, expected_speedup,
-                           expected_tokens_per_call, layer_subset, make_draft, speculative_stream)
+from ..fast_decode import FastDecoder
+from ..speculative import (METHODS, SpecStats, bf16_copy, default_skipped_layers, expected_speedup,
+                           expected_tokens_per_call, layer_subset, make_draft)
+from ..speculative_loop import Stepper, speculative_stream
 
 NAME = "speculative"
 
@@ -339,10 +341,13 @@ def agreement(model, teacher) -> float:
 
 @torch.no_grad()
 def step_seconds(models: dict, reps: int, context: int = 150) -> dict:
-    """Median seconds of one decode step per model (the runner's own Stepper), measured interleaved."""
+    """Median seconds of one decode step per model (the teaching loop's own Stepper, its FastDecoder's
+    2-byte build tuned first), measured interleaved."""
     steppers, times = {}, {name: [] for name in models}
     for name, m in models.items():
-        steppers[name] = Stepper(m, context + 1)
+        decoder = FastDecoder(m)
+        decoder.tune()                                     # bf16: the faster compiled build here; fp32: no-op
+        steppers[name] = Stepper(decoder, context + 1)
         steppers[name].step([0] * context)
     for _ in range(reps + 1):
         for name, stepper in steppers.items():

@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt
 from minillm import LLM, SamplingParams
 from minillm.reference import stream_contiguous
 from minillm.block_manager import BlockManager
+from minillm.request import Request
 from minillm.notebook import start
 device, QUICK = start()                        # cuda when present; prints the machine
 """),
@@ -40,8 +41,8 @@ allocate_by_hand("a", 10)                            # 10 tokens -> 3 blocks, th
 allocate_by_hand("b", 5)                             # 5 tokens  -> 2 blocks
 print("by hand: a ->", tables["a"], " b ->", tables["b"], " free:", free)
 bm = BlockManager(num_blocks=8, block_size=4)
-bm.allocate("a", list(range(10)))
-bm.allocate("b", list(range(50, 55)))
+bm.allocate(Request.from_token_ids("a", list(range(10))))
+bm.allocate(Request.from_token_ids("b", list(range(50, 55))))
 print("same block tables:", [bm.block_table(s) for s in "ab"] == [tables[s] for s in "ab"],
       "| same slots:", bm.slot_mapping("a", 0, 10) == [slot_by_hand("a", p) for p in range(10)])
 """),
@@ -52,14 +53,18 @@ print("same block tables:", [bm.block_table(s) for s in "ab"] == [tables[s] for 
 """),
 ("code", r"""
 bm = BlockManager(num_blocks=8, block_size=4)
-bm.allocate("a", list(range(10)))                 # 10 tokens -> 3 blocks
-bm.allocate("b", list(range(50, 55)))             # 5 tokens  -> 2 blocks
+a = Request.from_token_ids("a", list(range(10)))   # the Request holds the tokens; the block
+bm.allocate(a)                                     # manager reads them: 10 tokens -> 3 blocks
+bm.allocate(Request.from_token_ids("b", list(range(50, 55))))   # 5 tokens -> 2 blocks
 print("a:", bm.block_table("a"), " b:", bm.block_table("b"), " free:", bm.num_free_blocks)
 print("slots of a's tokens 0..9:", bm.slot_mapping("a", 0, 10))
-bm.mark_computed("a", 10)
+a.num_computed_tokens = 10                         # a's prompt ran
+a2 = Request.from_token_ids("a2", a.all_token_ids) # a second sample of the same prompt
+a2.num_computed_tokens = 10
 bm.fork("a", "a2")                                 # parallel sampling: share every block
 print("a2 shares a's blocks:", bm.block_table("a2"))
-copies = bm.append_slots("a2", list(range(10)) + [99])   # a2 writes into the shared last block
+a2.output_token_ids.append(99)                     # a2 samples a token...
+copies = bm.append_slots(a2, a2.num_tokens)        # ...and writes it into the shared last block
 print("copy-on-write (src, dst):", copies, " a2 now:", bm.block_table("a2"))
 for s in ("a", "a2", "b"):
     bm.free(s)

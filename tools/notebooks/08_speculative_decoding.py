@@ -22,7 +22,8 @@ import matplotlib.pyplot as plt
 %matplotlib inline
 
 from minillm.speculative import (rejection_sample, acceptance_probability, expected_tokens_per_call,
-                                 expected_speedup, speculative_stream, SpecStats, make_draft)
+                                 expected_speedup, SpecStats, make_draft)
+from minillm.speculative_loop import speculative_stream    # lesson 08's per-request loop (a teaching stage)
 from minillm.notebook import start
 from minillm.reference import stream_contiguous
 device, QUICK = start()                        # cuda when present; prints the machine

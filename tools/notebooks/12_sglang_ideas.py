@@ -74,13 +74,16 @@ print("cached tokens by hand:", by_hand)
 """),
 ("code", r"""
 from minillm.block_manager import BlockManager
+from minillm.request import Request
 library = {}
 for kind in ("radix", "hash"):
     bm = BlockManager(32, B, enable_prefix_caching=True, prefix_cache=kind)
     hits = {}
     for name, ids in (("turn 1", turn1), ("turn 2", turn2), ("other chat", other)):
-        hits[name] = bm.allocate(name, ids)
-        bm.mark_computed(name, len(ids))
+        req = Request.from_token_ids(name, ids)
+        hits[name] = bm.allocate(req)
+        req.num_computed_tokens = req.num_tokens  # prefilled: its full blocks become findable
+        bm.cache_blocks(req)
         bm.free(name)
     library[kind] = hits
 print("radix tree (library):", library["radix"])
