@@ -69,14 +69,13 @@ and the verification step's logits against forward_cached's (tests/test_fast_dec
 from __future__ import annotations
 
 import time
-import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .kv_cache import KVCache, forward_cached
-from .layer import compiled_rowwise_dot, compiler_errors, rowwise_dot as _rowwise_dot
+from .layer import compiled_or_eager, compiled_rowwise_dot, rowwise_dot as _rowwise_dot
 from .model import Llama, attention_function, check_attention_backend
 from .positions import RopeTable, apply_rope, apply_rope_complex
 from .transforms import fuse_projections, is_fused  # noqa: F401  item 1: load-time transforms (pure), re-exported
@@ -348,16 +347,8 @@ class FastDecoder:
 
     # ---- compiling, and what happens where it cannot ------------------------------------------------
     def _run(self, compiled, eager, *args):
-        """compiled(*args); where torch.compile cannot build (no C++ compiler), warn once, record why
-        in self.compile_failed and run eager(*args), the same math unfused, from then on."""
-        if self.compile_failed is None:
-            try:
-                return compiled(*args)
-            except compiler_errors() as e:                               # any other error is the step's own
-                self.compile_failed = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-                warnings.warn(f"torch.compile could not build the CPU decode kernels ({self.compile_failed}); "
-                              "running them eagerly")
-        return eager(*args)
+        """layer.compiled_or_eager, recording a compiler failure in self.compile_failed."""
+        return compiled_or_eager(self, compiled, eager, *args)
 
     def _compiled_gemv(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self._run(gemv_compiled, torch.mv, weight, x)             # NEW: item 5, torch.mv if it fails

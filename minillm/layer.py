@@ -19,6 +19,8 @@ What differs between the ways the engine runs this layer is data, not code:
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -37,6 +39,20 @@ def compiler_errors() -> tuple[type[BaseException], ...]:
     found += [getattr(inductor_exc, name, None)
               for name in ("InductorError", "LoweringException", "CppCompileError", "InvalidCxxCompiler")]
     return tuple(e for e in found if e is not None)
+
+
+def compiled_or_eager(owner, compiled, eager, *args):
+    """compiled(*args); where torch.compile cannot build (no C++ compiler), warn once, record why in
+    owner.compile_failed and run eager(*args), the same math unfused, from then on (the owner: a
+    ModelRunner or a FastDecoder, each with its own record)."""
+    if owner.compile_failed is None:
+        try:
+            return compiled(*args)
+        except compiler_errors() as e:                                   # any other error is the step's own
+            owner.compile_failed = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            warnings.warn(f"torch.compile could not build the CPU decode kernels ({owner.compile_failed}); "
+                          "running them eagerly")
+    return eager(*args)
 
 
 def rowwise_dot(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

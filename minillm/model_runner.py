@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import math
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,7 @@ import torch
 from . import prepacked
 from .kernel_args import INTERPRETED
 from .attention import Run, choose_backend, make_backend
-from .layer import DECODE_BUILDS, compiled_rowwise_dot, compiler_errors, decoder_layer, paged_decode_layer
+from .layer import DECODE_BUILDS, compiled_or_eager, compiled_rowwise_dot, decoder_layer, paged_decode_layer
 from .model import Llama, ModelConfig
 from .paged_attention import block_table_tensor, copy_blocks, gather_kv, store_kv_reference
 from .positions import RopeTable, apply_rope_complex
@@ -378,16 +377,8 @@ class ModelRunner:
         return self.attention.name == "triton"
 
     def _run(self, compiled, eager, *args):
-        """compiled(*args); where torch.compile cannot build (no C++ compiler), warn once and run
-        eager(*args), the same math unfused, from then on (recorded in self.compile_failed)."""
-        if self.compile_failed is None:
-            try:
-                return compiled(*args)
-            except compiler_errors() as e:                               # any other error is the step's own
-                self.compile_failed = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-                warnings.warn(f"torch.compile could not build the CPU decode kernels ({self.compile_failed}); "
-                              "running them eagerly")
-        return eager(*args)
+        """layer.compiled_or_eager, recording a compiler failure in self.compile_failed."""
+        return compiled_or_eager(self, compiled, eager, *args)
 
     @property
     def graph_replays(self) -> int:
