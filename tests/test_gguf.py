@@ -1,7 +1,7 @@
-"""Our dequantisation of GGUF blocks is bit-for-bit the gguf package's."""
+"""Our GGUF reader and dequantisation of its blocks are bit-for-bit the gguf package's."""
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
@@ -48,3 +48,42 @@ def test_metadata_matches_the_published_config(smollm2_path):
     assert meta["llama.attention.head_count"] == 9 and meta["llama.attention.head_count_kv"] == 3
     assert meta["llama.rope.freq_base"] == 100000.0
     assert meta["tokenizer.ggml.bos_token_id"] == 1 and meta["tokenizer.ggml.eos_token_id"] == 2
+
+
+def _peer_value(field):
+    """A GGUFReader field as a Python value, read through the peer's own parts and indices."""
+    parts = [field.parts[i] for i in field.data]
+    as_python = (lambda p: bytes(p).decode("utf-8", errors="replace")) if field.types[-1] == GGUFValueType.STRING \
+        else (lambda p: p.tolist()[0])
+    values = [as_python(p) for p in parts]
+    return values if field.types[0] == GGUFValueType.ARRAY else values[0]
+
+
+def test_metadata_and_tensor_table_equal_the_gguf_packages(smollm2_path):
+    peer = GGUFReader(str(smollm2_path))
+    ours = read_gguf(smollm2_path)
+    expected = {k: _peer_value(f) for k, f in peer.fields.items() if not k.startswith("GGUF.")}
+    assert list(ours.metadata) == list(expected)
+    for key, value in expected.items():
+        assert ours.metadata[key] == value and type(ours.metadata[key]) is type(value), key
+    assert len(ours.metadata["tokenizer.ggml.tokens"]) == 49152
+    assert list(ours.tensors) == [t.name for t in peer.tensors]
+    for t in peer.tensors:
+        mine = ours.tensors[t.name]
+        assert mine.shape == tuple(reversed(t.shape.tolist())) and mine.ggml_type == int(t.tensor_type), t.name
+        assert np.array_equal(mine.raw, t.data.reshape(-1).view(np.uint8)), t.name
+
+
+def test_a_file_that_is_not_gguf_is_a_clear_error(tmp_path, smollm2_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"PK\x03\x04" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_gguf(bad)
+    bad.write_bytes(b"GGUF" + (7).to_bytes(4, "little") + bytes(16))
+    with pytest.raises(ValueError, match="GGUF version 7; supported: 2, 3"):
+        read_gguf(bad)
+    bad.write_bytes(smollm2_path.read_bytes()[:1_000_000])             # the header, then the download stopped
+    with pytest.raises(ValueError, match="truncated or damaged"):
+        read_gguf(bad)
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        read_gguf(tmp_path / "missing.gguf")

@@ -11,7 +11,9 @@ order alternating each round, so that the shared machine's drift hits both sides
   - perplexity over 4 windows of the evaluation text (equal to within 1e-3 relative);
   - fp32 with n-gram speculation (k = 4 every step), one prompt whose answer is in the prompt: before,
     a lone request speculated on the per-request loop (minillm/speculative.py); after, in the engine.
-Warm-up: every measurement runs once per side before the timed rounds (compiles, page faults).
+Warm-up: every timed measurement runs once per side before the timed rounds (compiles, page
+faults). Rounds per measurement (ROUNDS): 5 for the short ones, whose medians one slow round of the
+shared machine could otherwise move; 3 for the 45-second workload; 1 for perplexity, which is exact.
 Medians over the rounds; ratio = after / before.
 """
 from __future__ import annotations
@@ -84,18 +86,24 @@ def worktree(commit: str) -> Path:
     return path
 
 
-def measure(workers: dict, kind: str, cmds: dict, rounds: int) -> list[dict]:
-    """Every command of `cmds` once per side untimed, then `rounds` rounds in alternating order."""
+ROUNDS = {"one_prompt": 5, "copy_prompt": 5, "batch16": 5, "workload": 3, "perplexity": 1}
+
+
+def measure(workers: dict, kind: str, cmds: dict, rounds: dict) -> list[dict]:
+    """Every command of `cmds` once per side untimed, then rounds[name] rounds of each, in turn,
+    the side that goes first alternating each round."""
     print(f"redesign: {kind}: {', '.join(cmds)}", file=sys.stderr, flush=True)
     for w in workers.values():
         w.ask(op="load", kind=kind)
-    for cmd in cmds.values():
-        for w in workers.values():
-            w.ask(**cmd)                                               # warm-up
+    for name, cmd in cmds.items():
+        for w in workers.values() if name != "perplexity" else ():    # warm-up (perplexity is not timed)
+            w.ask(**cmd)
     answers = {(side, name): [] for side in workers for name in cmds}
     order = list(workers)
-    for r in range(rounds):
+    for r in range(max(rounds[name] for name in cmds)):
         for name, cmd in cmds.items():
+            if r >= rounds[name]:
+                continue
             for side in (order if r % 2 == 0 else order[::-1]):
                 answers[side, name].append(workers[side].ask(**cmd))
     rows = []
@@ -137,7 +145,8 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def run(quick: bool, baseline: str = BASELINE) -> dict:
-    tokens, rounds = (16, 1) if quick else (48, 3)
+    tokens = 16 if quick else 48
+    rounds = dict.fromkeys(ROUNDS, 1) if quick else ROUNDS
     kinds = ["fp32"] if quick else ["fp32", "bf16", "int8", "int4", "fp32-ngram"]
     workers = {"before": Worker(worktree(baseline)), "after": Worker(ROOT)}
     rows = []
@@ -157,6 +166,6 @@ def run(quick: bool, baseline: str = BASELINE) -> dict:
             w.close()
     head = subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], text=True).strip()
     config = {"before": baseline, "baseline_patch": BASELINE_PATCH, "after": f"working tree at {head}", "kinds": kinds, "new_tokens": tokens,
-              "rounds": rounds, "warm_up": "every measurement once per side, untimed",
+              "rounds": rounds, "warm_up": "every timed measurement once per side, untimed",
               "order": "alternating per round", "num_kv_blocks": 1024, "max_num_seqs": 64}
     return common.document(NAME, config, rows, summarise(rows))
