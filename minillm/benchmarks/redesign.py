@@ -14,7 +14,9 @@ order alternating each round, so that the shared machine's drift hits both sides
 Warm-up: every timed measurement runs once per side before the timed rounds (compiles, page
 faults). Rounds per measurement (ROUNDS): 5 for the short ones, whose medians one slow round of the
 shared machine could otherwise move; 3 for the 45-second workload; 1 for perplexity, which is exact.
-Medians over the rounds; ratio = after / before.
+A speed ratio is the median over the rounds of after / before within the round (the two sides run
+back to back there): the VM drifts by a quarter within a run, and a ratio of two medians taken over
+different rounds carries that drift; a round's own ratio does not. Medians of each side are kept too.
 """
 from __future__ import annotations
 
@@ -129,7 +131,8 @@ def summarise(rows: list[dict]) -> dict:
         key = f"{kind}_{measure}"
         for metric in ("decode_tok_s", "tok_s"):
             if metric in after:
-                out[f"{key}_{metric}_ratio"] = after[metric] / before[metric]
+                pairs = zip(after[f"all_{metric}"], before[f"all_{metric}"])
+                out[f"{key}_{metric}_ratio"] = statistics.median(a / b for a, b in pairs)
         if "ttft_s" in after:
             out[f"{key}_ttft_ratio"] = after["ttft_s"] / before["ttft_s"]
         if "perplexity" in after:
