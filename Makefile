@@ -22,10 +22,8 @@ model: setup
 demo: model
 	$(PY) -m minillm demo
 
-# One pytest-xdist worker per core of the 2-core CI machines (tests/conftest.py: one thread each).
-TEST_WORKERS ?= 2
 test: model
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest tests
 
 # A lent CUDA GPU has no package index: `make gpu-carry` here fills .gpu/ (wheels, the model in halves);
 # there, call 1 `make gpu-check` (carry .gpu/wheels .gpu/model.1, timeout_s 430), then at once call 2

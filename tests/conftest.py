@@ -18,14 +18,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-# `make test` runs the suite on pytest-xdist workers, one per core: each worker, and every process it
-# starts (a notebook's kernel, a lab's grader, a server), then computes on ONE thread, so two workers
-# fill two cores instead of four OpenMP threads spinning against each other. Alone, a run uses up to 4.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-else:
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 SLOW_FIXTURES = {"smollm2_path", "llm", "hf_model", "hf_tokenizer", "transformers", "bnb"}
 
@@ -34,14 +27,6 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-        # xdist (--dist loadgroup) keeps a group on one worker: a file's tests share its module- and
-        # session-scoped fixtures (loaded once, not once per worker); each notebook is a group of its own,
-        # so the longest file spreads over the workers
-        item.add_marker(pytest.mark.xdist_group(item.name if item.module.__name__.endswith("test_notebooks")
-                                                else item.module.__name__))
-    # The longest groups are handed out first, so that no worker is left running one while the other
-    # idles (the labs' file and the notebooks: a third of the suite's time, make test --durations=0).
-    items.sort(key=lambda item: not item.module.__name__.endswith(("test_labs", "test_notebooks")))
 
 
 @pytest.fixture(scope="session")

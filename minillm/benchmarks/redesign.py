@@ -121,8 +121,25 @@ def measure(workers: dict, kind: str, cmds: dict, rounds: dict) -> list[dict]:
     return rows
 
 
+def first_difference(workers: dict, kind: str, rows: list[dict]) -> list[dict]:
+    """Where one prompt's tokens differ between the sides (bf16: the compiled steps round
+    differently), the before side's top-2 logit gap at the first differing token, by its naive
+    forward: a near-tie if below NEAR_TIE of the logits' range (tests/test_fast_decode.py bounds the
+    compiled step's bf16 rounding by that fraction). Asked while this kind is loaded."""
+    by = {r["side"]: r["tokens"] for r in rows if r["kind"] == kind and r["measure"] == "one_prompt"}
+    if not by or by["before"] == by["after"]:
+        return []
+    i = next(i for i, (a, b) in enumerate(zip(by["before"], by["after"])) if a != b)
+    gap = workers["before"].ask(op="gap", generated=by["before"][:i])
+    return [{"kind": kind, "measure": "first_difference", "side": "before", "position": i, **gap,
+             "near_tie": gap["top2_gap"] < NEAR_TIE * gap["logit_range"]}]
+
+
+NEAR_TIE = 0.01
+
+
 def summarise(rows: list[dict]) -> dict:
-    by = {(r["kind"], r["measure"], r["side"]): r for r in rows}
+    by = {(r["kind"], r["measure"], r["side"]): r for r in rows if r["measure"] != "first_difference"}
     out = {}
     for (kind, measure, side), after in by.items():
         if side != "after":
@@ -140,6 +157,9 @@ def summarise(rows: list[dict]) -> dict:
             out[f"{key}_relative_change"] = abs(after["perplexity"] / before["perplexity"] - 1)
         if "tokens" in after:
             out[f"{key}_tokens_identical"] = after["tokens"] == before["tokens"]
+    for r in rows:
+        if r["measure"] == "first_difference":
+            out[f"{r['kind']}_one_prompt_first_difference_near_tie"] = r["near_tie"]
     speed = [v for k, v in out.items() if k.endswith("tok_s_ratio")]
     out["lowest_speed_ratio"] = min(speed)
     out["fp32_tokens_identical"] = all(v for k, v in out.items() if k.startswith("fp32_") and k.endswith("_identical"))
@@ -164,6 +184,7 @@ def run(quick: bool, baseline: str = BASELINE) -> dict:
                 cmds["batch16"] = dict(op="batch", n=4 if quick else 16, tokens=8 if quick else 24)
                 cmds["workload"] = dict(op="workload", n=4 if quick else 12)
             rows += measure(workers, kind, cmds, rounds)
+            rows += first_difference(workers, kind, rows)
     finally:
         for w in workers.values():
             w.close()

@@ -35,11 +35,25 @@ def one_prompt(llm, tokens: int, copy: bool = False) -> dict:
     copy: a prompt whose answer is in the prompt (where n-gram drafts are accepted)."""
     from minillm import SamplingParams
 
-    prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": COPY if copy else QUESTION}])
+    prompt = chat_prompt(llm, copy)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)[0]
     m = out.metrics
     return {"ttft_s": m.time_to_first_token, "decode_tok_s": 1 / m.time_per_output_token,
             "tokens": list(out.outputs[0].token_ids), "build_16bit": build_16bit(llm)}
+
+
+def top2_gap(llm, token_ids: list[int]) -> dict:
+    """The naive forward's last-position logits after token_ids (the model's own dtype): the gap
+    between its two largest and the logits' range, for the near-tie rule at a first differing token."""
+    import torch
+
+    logits = llm.model(torch.tensor([token_ids]))[0, -1].float()        # (V,)
+    top2 = logits.topk(2).values
+    return {"top2_gap": float(top2[0] - top2[1]), "logit_range": float(logits.max() - logits.min())}
+
+
+def chat_prompt(llm, copy: bool = False) -> list[int]:
+    return llm.get_tokenizer().apply_chat_template([{"role": "user", "content": COPY if copy else QUESTION}])
 
 
 def build_16bit(llm) -> str:
@@ -105,6 +119,8 @@ def main() -> None:
                 answer = decode_batch(llm, cmd["n"], cmd["tokens"])
             elif op == "workload":
                 answer = workload(llm, cmd["n"])
+            elif op == "gap":
+                answer = top2_gap(llm, chat_prompt(llm, cmd.get("copy", False)) + cmd["generated"])
             elif op == "perplexity":
                 from minillm.evaluate import perplexity
                 answer = {"perplexity": perplexity(llm, max_windows=cmd["windows"])}
