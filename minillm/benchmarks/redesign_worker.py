@@ -52,7 +52,7 @@ def top2_gap(llm, token_ids: list[int]) -> dict:
     return {"top2_gap": float(top2[0] - top2[1]), "logit_range": float(logits.max() - logits.min())}
 
 
-def chat_prompt(llm, copy: bool = False) -> list[int]:
+def chat_prompt(llm, copy: bool = False) -> str:
     return llm.get_tokenizer().apply_chat_template([{"role": "user", "content": COPY if copy else QUESTION}])
 
 
@@ -120,7 +120,8 @@ def main() -> None:
             elif op == "workload":
                 answer = workload(llm, cmd["n"])
             elif op == "gap":
-                answer = top2_gap(llm, chat_prompt(llm, cmd.get("copy", False)) + cmd["generated"])
+                prompt_ids = llm.get_tokenizer().encode(chat_prompt(llm, cmd.get("copy", False)))
+                answer = top2_gap(llm, prompt_ids + cmd["generated"])
             elif op == "perplexity":
                 from minillm.evaluate import perplexity
                 answer = {"perplexity": perplexity(llm, max_windows=cmd["windows"])}
