@@ -2,8 +2,7 @@
 
 The container is parsed here too (read_gguf): a header, key-values, a tensor table, then the
 tensor bytes, aligned; the `gguf` package is the peer it is tested against (its reader builds a
-numpy view per field part, seconds for a 49k-token vocabulary; this one reads the same fields in
-a fraction of that). Turning the raw bytes of each tensor into float32 is done here because Q4_1
+numpy view per field part, slow for a large vocabulary; this one unpacks the fields directly). Turning the raw bytes of each tensor into float32 is done here because Q4_1
 and Q8_0 are the reader's first look at block quantisation (lesson 04 builds its own int4/NF4
 formats on the same idea):
 
@@ -106,8 +105,8 @@ class GGUFFile:
 class _Cursor:
     """Reads the container's little-endian fields from a memory-mapped file, front to back."""
 
-    def __init__(self, buf: mmap.mmap):
-        self.buf, self.pos = buf, 0
+    def __init__(self, buf: mmap.mmap, pos: int):
+        self.buf, self.pos = buf, pos
 
     def scalar(self, fmt: str):
         value, = struct.unpack_from(fmt, self.buf, self.pos)
@@ -162,8 +161,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
 
 
 def _parse(path: Path, buf: mmap.mmap) -> GGUFFile:
-    cur = _Cursor(buf)
-    cur.pos = 4
+    cur = _Cursor(buf, pos=4)                              # past the magic
     version, n_tensors, n_kv = cur.scalar("<I"), cur.scalar("<Q"), cur.scalar("<Q")
     if version not in (2, 3):
         raise ValueError(f"{path}: GGUF version {version}; supported: 2, 3")

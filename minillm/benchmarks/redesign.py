@@ -13,9 +13,9 @@ order alternating each round, so that the shared machine's drift hits both sides
     a lone request speculated on the per-request loop (minillm/speculative.py); after, in the engine.
 Warm-up: every timed measurement runs once per side before the timed rounds (compiles, page
 faults). Rounds per measurement (ROUNDS): 5 for the short ones, whose medians one slow round of the
-shared machine could otherwise move; 3 for the 45-second workload; 1 for perplexity, which is exact.
+shared machine could otherwise move; 3 for the long workload; 1 for perplexity, which is exact.
 A speed ratio is the median over the rounds of after / before within the round (the two sides run
-back to back there): the VM drifts by a quarter within a run, and a ratio of two medians taken over
+back to back there): the VM drifts within a run, and a ratio of two medians taken over
 different rounds carries that drift; a round's own ratio does not. Medians of each side are kept too.
 """
 from __future__ import annotations
@@ -121,6 +121,9 @@ def measure(workers: dict, kind: str, cmds: dict, rounds: dict) -> list[dict]:
     return rows
 
 
+NEAR_TIE = 0.01        # of the logits' range: the bf16 rounding bound of tests/test_fast_decode.py
+
+
 def first_difference(workers: dict, kind: str, rows: list[dict]) -> list[dict]:
     """Where one prompt's tokens differ between the sides (bf16: the compiled steps round
     differently), the before side's top-2 logit gap at the first differing token, by its naive
@@ -133,9 +136,6 @@ def first_difference(workers: dict, kind: str, rows: list[dict]) -> list[dict]:
     gap = workers["before"].ask(op="gap", generated=by["before"][:i])
     return [{"kind": kind, "measure": "first_difference", "side": "before", "position": i, **gap,
              "near_tie": gap["top2_gap"] < NEAR_TIE * gap["logit_range"]}]
-
-
-NEAR_TIE = 0.01
 
 
 def summarise(rows: list[dict]) -> dict:
