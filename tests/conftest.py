@@ -23,10 +23,27 @@ torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 SLOW_FIXTURES = {"smollm2_path", "llm", "hf_model", "hf_tokenizer", "transformers", "bnb"}
 
 
+SESSION_RECORDER = "minillm_session_outcomes"
+
+
+def pytest_configure(config):
+    """The lab grader's Recorder watches this run too, selecting everything: the labs' reference
+    scores (test_labs.py) come from these outcomes instead of running the same tests again."""
+    from minillm.labs.pytest_plugin import Recorder
+
+    class SessionRecorder(Recorder):
+        @pytest.hookimpl(tryfirst=True)             # every collected test, before -k or -m deselects any
+        def pytest_collection_modifyitems(self, session, config, items):
+            super().pytest_collection_modifyitems(session, config, items)
+
+    config.pluginmanager.register(SessionRecorder(["*"]), SESSION_RECORDER)
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.get_closest_marker("after_the_rest") is not None)   # stable: order kept
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,8 @@ Handouts: lessons/labs/NN-<lab>.md; teacher's guide: lessons/labs/README.md. The
 the standard library (pytest runs in the grading process), so `python -m minillm lab list` is instant.
 """
 from .cli import add_lab_parser, self_check
-from .grader import DEFAULT_TIMEOUT, LabResult, TaskResult, grade, grade_labs, grade_many, submissions_in
+from .grader import (DEFAULT_TIMEOUT, LabResult, TaskResult, grade, grade_labs, grade_many, score_records,
+                     submissions_in)
 from .markers import MARKER_RE, Region, leftover_markers, parse_regions, stub_lines, strip_solutions
 from .registry import LABS, REPO, Lab, LabError, Task, get_lab
 from .report import format_lab_list, format_result, format_row, write_csv
@@ -21,5 +22,5 @@ from .student_copy import find_regions, make_student_copy, repo_files
 
 __all__ = ["LABS", "REPO", "DEFAULT_TIMEOUT", "Lab", "Task", "LabError", "LabResult", "TaskResult", "Region",
            "MARKER_RE", "get_lab", "parse_regions", "stub_lines", "strip_solutions", "find_regions", "repo_files",
-           "leftover_markers", "make_student_copy", "grade", "grade_labs", "grade_many", "submissions_in",
-           "format_lab_list", "format_result", "format_row", "write_csv", "self_check", "add_lab_parser"]
+           "leftover_markers", "make_student_copy", "grade", "grade_labs", "grade_many", "score_records",
+           "submissions_in", "format_lab_list", "format_result", "format_row", "write_csv", "self_check", "add_lab_parser"]

@@ -107,7 +107,7 @@ from minillm.benchmarks import prefix as bp
 from minillm.evaluate import evaluation_text
 tok, text = llm.get_tokenizer(), evaluation_text()
 rows = []
-for workload in ("system_prompt", "branches"):
+for workload in ("system_prompt",) if QUICK else ("system_prompt", "branches"):
     waves = bp.WORKLOADS[workload](tok, text, quick=True)
     outputs = {}
     for mode in bp.MODES:
