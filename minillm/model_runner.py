@@ -370,6 +370,8 @@ class ModelRunner:
         add guards that every call of every layer pays."""
         for width in (2, 3):
             start = (width - 1) * self.kv.block_size                     # seq_len start + 1 spans `width` blocks
+            if start >= len(self.rope.cos):                              # no sequence here is that long
+                break
             batch = build_batch([([0], start, [0] * width, [0])], ["last"], self.kv.block_size, self.kv.k.device)
             self._forward_compiled(batch, build)
         self.compiled_decode_steps = 0
