@@ -283,8 +283,6 @@ class ModelRunner:
         self.decode_build = "default"           # layer.DECODE_BUILDS key: the compiled step's build
         if self.decode_weights is not None and model.embed.weight.element_size() == 2 and tune_kernels:
             self.decode_build = self._choose_decode_build()
-        if self.decode_weights is not None:
-            self._warm_decode(self.decode_build)
 
     def drop_prepacked(self) -> None:
         """Run on plain F.linear from now on (frees the packed copies; bench engine-step compares)."""
@@ -363,19 +361,6 @@ class ModelRunner:
         self.compiled_decode_steps = 0
         return min(DECODE_BUILDS, key=totals.get)
 
-    def _warm_decode(self, build: str) -> None:
-        """Compile `build`'s decode step now, for block tables of 2 and then 3 blocks (one decode token
-        at slot 0 of the still empty pool): at the second width Dynamo makes the width symbolic (one
-        recompile), so no request compiles half-way. Marking the width dynamic up front instead would
-        add guards that every call of every layer pays."""
-        for width in (2, 3):
-            start = (width - 1) * self.kv.block_size                     # seq_len start + 1 spans `width` blocks
-            if start >= len(self.rope.cos):                              # no sequence here is that long
-                break
-            batch = build_batch([([0], start, [0] * width, [0])], ["last"], self.kv.block_size, self.kv.k.device)
-            self._forward_compiled(batch, build)
-        self.compiled_decode_steps = 0
-
     @property
     def packed_layers(self) -> list[tuple] | None:
         """Per layer its (qkv, wo, gate_up, down) projections where they are prepacked GEMMs (a
@@ -441,6 +426,7 @@ class ModelRunner:
         cfg = self.model.cfg
         group = batch.decode_groups[0]
         tables = group.tables if group.tables.shape[1] > 1 else group.tables.repeat(1, 2)   # (1, n >= 2)
+        torch._dynamo.maybe_mark_dynamic(tables, 1)
         cos, sin = self._cos_sin(batch.positions)                        # (1, 1, D/2) each
         h = self.model.embed.weight.detach()[batch.tokens]               # (1, dim) gathered: not a view
         compiled = DECODE_BUILDS[build]

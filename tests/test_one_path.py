@@ -113,7 +113,6 @@ def test_an_error_inside_the_compiled_step_is_the_steps_own(monkeypatch):
     cfg = tiny_config()
     llm = LLM(model=random_model(cfg, seed=1), tokenizer=CharTokenizer(), max_model_len=64, tune_kernels=False)
     prompt = {"prompt_token_ids": random_prompts([9], cfg.vocab_size)[0]}
-    assert llm.engine.runner.decode_weights is not None              # built (and its step compiled) first
 
     def buggy(*args):
         raise IndexError("a bug in the step, not the compiler")
