@@ -61,48 +61,17 @@ def check_printed_equalities(name: str, text: str) -> None:
         assert re.search(pattern, text), f"{name}: the two lines of {pattern!r} disagree or are missing"
 
 
-# The longest first (seconds in quick mode on a 2-core VM), so that two kernels at a time end together.
-LONGEST_FIRST = ("02", "11", "12", "08", "10", "09", "07", "06", "01", "05", "03", "04")
-
-
-def execute(path):
-    """-> (the notebook executed in memory, or None, and the exception that stopped it, or None)."""
-    import nbclient
-    import nbformat
-
+@pytest.mark.slow                                       # the notebooks load the real model
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs_in_quick_mode_and_its_equalities_hold(path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    monkeypatch.setenv("MINILLM_QUICK", "1")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
-    try:
-        client.execute()
-    except Exception as e:                  # raised again in that notebook's own test
-        return None, e
-    return nb, None
-
-
-@pytest.fixture(scope="module")
-def executed():
-    """Every notebook executed in quick mode, each in its own kernel, two kernels at a time: on two
-    cores the second overlaps the first's imports, compiles and single-threaded Python. Nothing here
-    times anything that is checked: the notebooks' printed timings are not asserted."""
-    pytest.importorskip("nbformat")
-    pytest.importorskip("nbclient")
-    from concurrent.futures import ThreadPoolExecutor
-
-    order = sorted(NOTEBOOKS, key=lambda p: LONGEST_FIRST.index(p.name[:2]) if p.name[:2] in LONGEST_FIRST else -1)
-    with pytest.MonkeyPatch.context() as mp:                # a kernel inherits this process's environment
-        mp.setenv("MINILLM_QUICK", "1")
-        mp.setenv("MPLBACKEND", "Agg")
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            return dict(zip([p.name for p in order], pool.map(execute, order)))
-
-
-@pytest.mark.slow                                       # the notebooks load the real model
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs_in_quick_mode_and_its_equalities_hold(path, executed):
-    nb, error = executed[path.name]
-    if error is not None:
-        raise error
+    client.execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors
