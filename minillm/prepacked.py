@@ -26,13 +26,13 @@ Measured in results/engine-step.json (bench engine-step, prepacked vs not on the
 """
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Iterable
 
 import torch
 
-from .timing import time_median
-
-TIMED_CALLS = 5
+TIMED_CALLS = 7
 
 
 def libraries_for(weight: torch.Tensor) -> list[str]:
@@ -74,15 +74,32 @@ def library_key(weight: torch.Tensor, rows: int) -> str:
     return f"{str(weight.dtype).removeprefix('torch.')} {tuple(weight.shape)} rows={rows}"
 
 
-def seconds_per_call(packed: "PrepackedLinear", x: torch.Tensor) -> float:
-    """Median wall-clock seconds of packed(x) over TIMED_CALLS calls, after one warm-up call."""
-    return time_median(lambda: packed(x), repeats=TIMED_CALLS)
+def seconds_of_one_call(packed: "PrepackedLinear", x: torch.Tensor) -> float:
+    """Wall-clock seconds of one packed(x)."""
+    t0 = time.perf_counter()
+    packed(x)
+    return time.perf_counter() - t0
+
+
+def faster_library(weight: torch.Tensor, rows: int, libraries: list[str]) -> str:
+    """Of `libraries`, the one whose prepacked GEMM at `rows` rows runs this weight faster on a random
+    input: each called once untimed, then TIMED_CALLS rounds calling each in turn (the first alternating),
+    so that the shared machine's drift during the step hits every library alike; the lowest median wins."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)              # (M, in)
+    packed = {lib: PrepackedLinear(weight, rows, lib) for lib in libraries}
+    for p in packed.values():
+        p(x)                                                                # warm-up
+    seconds = {lib: [] for lib in libraries}
+    for r in range(TIMED_CALLS):
+        for lib in libraries if r % 2 == 0 else libraries[::-1]:
+            seconds[lib].append(seconds_of_one_call(packed[lib], x))
+    return min(libraries, key=lambda lib: statistics.median(seconds[lib]))
 
 
 def choose_libraries(weights: Iterable[torch.Tensor], rows: int, tune: bool = True) -> dict[str, str]:
     """The tuning step, run once when an engine is built: for each distinct dtype and shape among
     `weights` that can be prepacked, the library whose prepacked GEMM at `rows` rows ran faster here
-    (tune=True; timed on that weight and a random input), or default_library (tune=False).
+    (tune=True; faster_library), or default_library (tune=False).
     -> {library_key: library}; the runner keeps it and every PrepackedLinear it builds follows it."""
     chosen = {}
     for w in weights:
@@ -92,8 +109,7 @@ def choose_libraries(weights: Iterable[torch.Tensor], rows: int, tune: bool = Tr
         if key in chosen or not found:
             continue
         if tune and len(found) > 1:
-            x = torch.randn(rows, w.shape[1], dtype=w.dtype)              # (M, in)
-            chosen[key] = min(found, key=lambda lib: seconds_per_call(PrepackedLinear(w, rows, lib), x))
+            chosen[key] = faster_library(w, rows, found)
         else:
             chosen[key] = default_library(w)
     return chosen

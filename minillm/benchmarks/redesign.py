@@ -95,8 +95,7 @@ def measure(workers: dict, kind: str, cmds: dict, rounds: dict) -> list[dict]:
     """Every command of `cmds` once per side untimed, then rounds[name] rounds of each, in turn,
     the side that goes first alternating each round."""
     print(f"redesign: {kind}: {', '.join(cmds)}", file=sys.stderr, flush=True)
-    for w in workers.values():
-        w.ask(op="load", kind=kind)
+    built = {side: w.ask(op="load", kind=kind) for side, w in workers.items()}
     for name, cmd in cmds.items():
         for w in workers.values() if name != "perplexity" else ():    # warm-up (perplexity is not timed)
             w.ask(**cmd)
@@ -108,7 +107,8 @@ def measure(workers: dict, kind: str, cmds: dict, rounds: dict) -> list[dict]:
                 continue
             for side in (order if r % 2 == 0 else order[::-1]):
                 answers[side, name].append(workers[side].ask(**cmd))
-    rows = []
+    rows = [{"kind": kind, "measure": "build", "side": side, "gemm_libraries": built[side]["gemm_libraries"]}
+            for side in workers]                # the engine build's tuned GEMM library per shape (None: before)
     for (side, name), runs in answers.items():
         row = {"kind": kind, "measure": name, "side": side}
         for key in runs[0]:
@@ -139,7 +139,7 @@ def first_difference(workers: dict, kind: str, rows: list[dict]) -> list[dict]:
 
 
 def summarise(rows: list[dict]) -> dict:
-    by = {(r["kind"], r["measure"], r["side"]): r for r in rows if r["measure"] != "first_difference"}
+    by = {(r["kind"], r["measure"], r["side"]): r for r in rows if r["measure"] not in ("first_difference", "build")}
     out = {}
     for (kind, measure, side), after in by.items():
         if side != "after":

@@ -112,7 +112,8 @@ def main() -> None:
                 llm = None
                 gc.collect()
                 llm = build(cmd["kind"], cmd.get("max_num_seqs", 64))
-                answer = {"loaded": cmd["kind"], "module": minillm.__file__}
+                answer = {"loaded": cmd["kind"], "module": minillm.__file__,
+                          "gemm_libraries": getattr(llm.engine.runner, "gemm_libraries", None)}
             elif op == "one":
                 answer = one_prompt(llm, cmd["tokens"], cmd.get("copy", False))
             elif op == "batch":
