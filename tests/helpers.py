@@ -65,3 +65,15 @@ def alone(llm, prompts, params):
             pass
         outs.append(req.output_token_ids)
     return outs
+
+
+def greedy_under_naive_forward(model, prompt_ids, generated, tie=1e-4) -> bool:
+    """Whether every generated token is the naive forward's greedy choice given everything before it,
+    to within a near-tie (its logit at most `tie` below the largest). Teacher-forced: the forward is
+    causal, so ONE no-cache forward of prompt + generated gives every decode step's logits (a greedy
+    run of n tokens is checked in one pass, not n). A near-tie passes, and the check continues on
+    the run's own tokens."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([list(prompt_ids) + list(generated)]))[0, len(prompt_ids) - 1:-1].float()  # (n, V)
+    chosen = logits.gather(1, torch.tensor(generated).view(-1, 1))[:, 0]                                   # (n,)
+    return bool((chosen >= logits.max(-1).values - tie).all())

@@ -12,8 +12,10 @@ order alternating each round, so that the shared machine's drift hits both sides
   - fp32 with n-gram speculation (k = 4 every step), one prompt whose answer is in the prompt: before,
     a lone request speculated on the per-request loop (minillm/speculative.py); after, in the engine.
 Warm-up: every timed measurement runs once per side before the timed rounds (compiles, page
-faults). Rounds per measurement (ROUNDS): 5 for the short ones, whose medians one slow round of the
-shared machine could otherwise move; 3 for the long workload; 1 for perplexity, which is exact.
+faults). Rounds per measurement (ROUNDS): 15 for one prompt (a round is a second or a few, and the
+shared VM moves single rounds by 10-15%, so 5 rounds left the median a few percent off: two runs of
+identical guards differed by 0.03-0.04), 7 for the 16-prompt batch and the n-gram prompt, 3 for the
+long workload; 1 for perplexity, which is exact.
 A speed ratio is the median over the rounds of after / before within the round (the two sides run
 back to back there): the VM drifts within a run, and a ratio of two medians taken over
 different rounds carries that drift; a round's own ratio does not. Medians of each side are kept too.
@@ -88,7 +90,7 @@ def worktree(commit: str) -> Path:
     return path
 
 
-ROUNDS = {"one_prompt": 5, "copy_prompt": 5, "batch16": 5, "workload": 3, "perplexity": 1}
+ROUNDS = {"one_prompt": 15, "copy_prompt": 7, "batch16": 7, "workload": 3, "perplexity": 1}
 
 
 def measure(workers: dict, kind: str, cmds: dict, rounds: dict) -> list[dict]:
