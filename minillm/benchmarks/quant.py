@@ -387,12 +387,14 @@ def kernel_benchmark(quick: bool = False, device: str = "cuda", shapes=((4096, 4
 
 
 def end_to_end_decode(shape: str = "llama2-7b", device: str = "cuda", new_tokens: int = 64, prompt_tokens: int = 16,
-                      cfg=None, repeats: int = 3) -> dict:
+                      cfg=None, repeats: int = 3, tune_kernels: bool = True) -> dict:
     """Batch-1 greedy decode of a random-weight model of a published shape (model.published_model; or
     `cfg`, for a small check on CPU) with fp16 weights, then the same model with int4 g128 (RTN) weights:
     tokens/s of each (median of `repeats` runs after a warm-up, the clock read after a synchronize) and
     the weight bytes each reads per token. Both run the same cached forward (kv_cache.generate_greedy,
-    the modules as they are), so only the weights differ; on CUDA the int4 layers run the fused W4A16 kernel."""
+    the modules as they are), so only the weights differ; on CUDA the int4 layers run the fused W4A16 kernel.
+    tune_kernels: passed to the engine (False: its build times nothing, e.g. a CPU smoke run, where the
+    timing step would compile both 2-byte builds of the decode step)."""
     from ..kv_cache import generate_greedy
     from ..model import published_model, random_model_on
     from ..quant import quantize_model
@@ -421,7 +423,7 @@ def end_to_end_decode(shape: str = "llama2-7b", device: str = "cuda", new_tokens
         row[f"{weights}_tok_s"] = new_tokens / seconds
         row[f"{weights}_layer_weight_GB"] = weight_bytes() / 1e9
         # The same model in the engine: with CUDA graphs one replay per token, so launches stop hiding the weights
-        llm = gpu_engine.make_llm(model, torch.device(device), eager=not graphs,
+        llm = gpu_engine.make_llm(model, torch.device(device), eager=not graphs, tune_kernels=tune_kernels,
                                   max_model_len=prompt_tokens + new_tokens + 1, max_num_seqs=1)
         runs = [run_engine(llm, [prompt], [new_tokens]) for _ in range(repeats + 1)][1:]
         row[f"{weights}_engine_tok_s"] = 1 / statistics.median(r["tpot"][0] for r in runs)
