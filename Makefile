@@ -27,13 +27,14 @@ test: model
 
 # A lent CUDA GPU has no package index: `make gpu-carry` here fills .gpu/ (wheels, the model in halves);
 # there, call 1 `make gpu-check` (carry .gpu/wheels .gpu/model.1, timeout_s 430), then at once call 2
-# `make gpu-notebooks` (carry .gpu/model.2, timeout_s 340). tools/gpu_check.py says what each runs.
+# `make gpu-notebooks` (carry .gpu/wheels.2 .gpu/model.2, timeout_s 340). tools/gpu_check.py says what each runs.
 gpu-carry: model
 	$(PY) tools/gpu_carry.py
 
 gpu-check:
 	-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/wheels/*.whl
-	PYTHONPATH=/tmp/site:. python3 tools/gpu_check.py kernels
+	PYTHONPATH=/tmp/site:$(CURDIR) python3 tools/gpu_check.py kernels
 
 gpu-notebooks:
-	PYTHONPATH=/tmp/site:. python3 tools/gpu_check.py notebooks
+	-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/wheels.2/*.whl
+	PYTHONPATH=/tmp/site:$(CURDIR) python3 tools/gpu_check.py notebooks

@@ -29,6 +29,17 @@ def test_decode_bound_tiny(cfg):
     assert d["generate_path"] in ("contiguous batch-1 path", "engine") and d["shape"] == "custom"
 
 
+def test_decode_bound_splits_the_bytes_of_an_untied_model():
+    """Llama-2-7B's input embedding is untied: a decode step reads one row of it, not all of it. The H200
+    run of 2026-12-04 printed a negative KV byte count (the whole embedding subtracted from the bytes read)."""
+    untied = tiny_config(tie_embeddings=False)
+    d = ge.decode_bound(**CPU, new_tokens=4, prompt_tokens=4, repeats=1, copy_mbytes=8, cfg=untied)
+    kv = d["mean_context"] * 2 * untied.n_layers * untied.n_kv_heads * untied.head_dim * 4
+    assert d["kv_bytes_per_token_read"] == kv > 0
+    assert d["weight_bytes_read"] == (untied.num_parameters() - untied.vocab_size * untied.dim + untied.dim) * 4
+    assert d["weight_bytes_read"] + kv == pytest.approx(d["copy_bandwidth_GBps"] * 1e9 / d["hbm_bound_tok_s"])
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_hf_twin_has_our_logits(tie):
     pytest.importorskip("transformers")

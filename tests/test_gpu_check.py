@@ -36,10 +36,22 @@ def test_model_halves_join_to_the_same_bytes(tmp_path, monkeypatch):
         check.join_model(carried / "absent", keep)
 
 
-def test_the_wheel_list_is_pinned():
-    wheels = load_tool("gpu_carry").pinned_wheels()
-    assert {"nbclient", "nbformat", "ipykernel", "gguf"} <= {w.split("==")[0] for w in wheels}
-    assert all("==" in w for w in wheels)
+def test_the_wheel_lists_are_pinned():
+    carry = load_tool("gpu_carry")
+    call_1, call_2 = (carry.pinned_wheels(carry.LISTINGS[name]) for name in ("wheels", "wheels.2"))
+    assert {"nbclient", "nbformat", "ipykernel", "gguf"} <= {w.split("==")[0] for w in call_1}
+    assert {"openai", "fastapi", "uvicorn", "pydantic"} <= {w.split("==")[0] for w in call_2}   # notebook 09
+    assert all("==" in w for w in call_1 + call_2)
+    assert not {w.split("==")[0] for w in call_1} & {w.split("==")[0] for w in call_2}
+
+
+def test_the_notebook_kernels_get_an_absolute_pythonpath(tmp_path):
+    """The kernels start in notebooks/: a "." from the Makefile must not reach them as notebooks/."""
+    check = load_tool("gpu_check")
+    root = tmp_path / "repo"
+    assert check.kernel_pythonpath("/tmp/site:.", root) == f"/tmp/site:{root.resolve()}"
+    assert check.kernel_pythonpath(None, root) == str(root)
+    assert check.kernel_pythonpath(f"{root}:/x", root) == f"{root}:/x"
 
 
 def tiny_notebook(path: Path, body: str) -> Path:

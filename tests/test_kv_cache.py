@@ -91,3 +91,13 @@ def test_positions_computed_counts_what_the_generate_loops_feed(tiny_model, prom
     hook.remove()
     assert naive == positions_computed(prompt_len, new_tokens, use_cache=False)
     assert sum(fed) == positions_computed(prompt_len, new_tokens, use_cache=True)
+
+
+def test_step_timings_run_in_the_models_dtype_and_device():
+    """bench kv-cache's per-step timings build their ids and cache where the model lives (notebook 02 on
+    the H200 fed CPU ids to a CUDA model); a bf16 model needs a bf16 cache."""
+    from minillm.benchmarks.kv_cache import prefill_decode, step_latency
+    model = random_model(tiny_config(), seed=0).to(torch.bfloat16)
+    assert step_latency(model, 8, cached=True) > 0 and step_latency(model, 8, cached=False) > 0
+    row = prefill_decode(model, batch=2, prompt_len=8, decode_steps=2)
+    assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0

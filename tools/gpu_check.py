@@ -15,7 +15,7 @@ Call 1, `make gpu-check` (carry .gpu/wheels and .gpu/model.1; run's timeout_s=43
     5. pytest on the kernel tests (they run on CUDA when it is present), the Triton backward included
     6. paged decode kernel on scattered 16-token pages vs the same kernel on contiguous memory
     It also installs the wheels into /tmp/site and keeps the model's first half in /tmp/minillm-gpu.
-Call 2, `make gpu-notebooks`, right after (carry .gpu/model.2; timeout_s=340; a warm machine keeps /tmp):
+Call 2, `make gpu-notebooks`, right after (carry .gpu/wheels.2 and .gpu/model.2; timeout_s=340; a warm machine keeps /tmp):
     7. the model joined from its halves (sha256 checked by minillm.loader)
     8. pytest on the engine's CUDA tests (Triton paged attention, CUDA graphs)
     9. every notebook executed in full mode, in order, while the time box lasts: $OUT/notebooks.tar
@@ -182,6 +182,14 @@ def execute_notebooks(paths: list[Path], out_dir: Path, budget_s: float, cell_ti
     return done
 
 
+def kernel_pythonpath(value: str | None, root: Path = ROOT) -> str:
+    """PYTHONPATH for the notebooks' kernels, which start in notebooks/: every entry made absolute (a "."
+    meant the repository to make but notebooks/ to the kernel: the lease of 2026-12-04 lost nine notebooks
+    to `No module named 'minillm'`), and the repository added if missing."""
+    entries = [str((root / e).resolve()) if not Path(e).is_absolute() else e for e in (value or "").split(os.pathsep) if e]
+    return os.pathsep.join(entries + ([str(root)] if str(root) not in entries else []))
+
+
 def ordered_notebooks(folder: Path = ROOT / "notebooks") -> list[Path]:
     by_number = {p.name[:2]: p for p in folder.glob("*.ipynb")}
     return [by_number[n] for n in NOTEBOOK_ORDER if n in by_number] + \
@@ -238,6 +246,7 @@ def notebooks() -> None:
     global deadline
     deadline = Deadline(float(os.environ.get("GPU_CALL_SECONDS", "300")))
     os.environ.setdefault("MINILLM_CACHE", str(KEEP / "cache"))
+    os.environ["PYTHONPATH"] = kernel_pythonpath(os.environ.get("PYTHONPATH"))
     from minillm.loader import fetch_smollm2
     join_model()
     print("model:", fetch_smollm2(), flush=True)           # raises if the joined file fails its sha256

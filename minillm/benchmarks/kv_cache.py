@@ -41,29 +41,33 @@ def _plot(rows, path):
 
 
 def step_latency(model, position: int, cached: bool) -> float:
-    """Seconds for the token at `position`: one forward of position+1 tokens, or one cached step."""
-    ids = torch.randint(3, model.cfg.vocab_size, (1, position + 1), generator=torch.Generator().manual_seed(0))
+    """Seconds for the token at `position`: one forward of position+1 tokens, or one cached step
+    (on the model's device; a GPU is synchronised before each clock read)."""
+    device = model.embed.weight.device
+    ids = torch.randint(3, model.cfg.vocab_size, (1, position + 1),
+                        generator=torch.Generator().manual_seed(0)).to(device)            # (1, position+1)
     if not cached:
-        return time_median(lambda: model(ids), repeats=3)
-    cache = KVCache(model.cfg, 1, position + 1)
+        return time_median(lambda: model(ids), repeats=3, device=device)
+    cache = KVCache(model.cfg, 1, position + 1, model.embed.weight.dtype, device=device)
     forward_cached(model, ids[:, :position], cache)
 
     def one_step():
         forward_cached(model, ids[:, position:], cache)
         cache.truncate(cache.lengths - 1)
-    return time_median(one_step, repeats=5)
+    return time_median(one_step, repeats=5, device=device)
 
 
 def prefill_decode(model, batch: int, prompt_len: int, decode_steps: int) -> dict:
     cfg = model.cfg
-    dtype = model.embed.weight.dtype
+    dtype, device = model.embed.weight.dtype, model.embed.weight.device
     elem = torch.tensor([], dtype=dtype).element_size()
-    ids = torch.randint(3, cfg.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, cfg.vocab_size, (batch, prompt_len),
+                        generator=torch.Generator().manual_seed(1)).to(device)           # (batch, prompt_len)
 
     def prefill():
-        forward_cached(model, ids, KVCache(cfg, batch, prompt_len + 1, dtype))
-    t_prefill = time_median(prefill, repeats=3)
-    cache = KVCache(cfg, batch, prompt_len + decode_steps, dtype)
+        forward_cached(model, ids, KVCache(cfg, batch, prompt_len + 1, dtype, device=device))
+    t_prefill = time_median(prefill, repeats=3, device=device)
+    cache = KVCache(cfg, batch, prompt_len + decode_steps, dtype, device=device)
     forward_cached(model, ids, cache)
     nxt = ids[:, -1:]
 
@@ -71,7 +75,7 @@ def prefill_decode(model, batch: int, prompt_len: int, decode_steps: int) -> dic
         for _ in range(decode_steps):
             forward_cached(model, nxt, cache)
         cache.truncate(cache.lengths - decode_steps)
-    t_decode = time_median(decode, repeats=3) / decode_steps
+    t_decode = time_median(decode, repeats=3, device=device) / decode_steps
     prefill_flops = batch * prompt_len * roofline.decode_flops_per_token(cfg, prompt_len // 2)
     decode_bytes = roofline.decode_bytes_per_step(cfg, elem, prompt_len, batch)
     return {"batch": batch, "prompt_len": prompt_len,
