@@ -148,3 +148,26 @@ def test_steps_share_the_calls_deadline(tmp_path, monkeypatch):
     assert not ran and "deadline" in json.loads((tmp_path / "late.json").read_text())["error"]
     check.run_pytest(["tests/none.py"], "late.log", 60)
     assert "deadline" in (tmp_path / "late.log").read_text()
+
+
+def test_gpu_steps_pick_the_kernel_steps_to_run(tmp_path, monkeypatch):
+    check = load_tool("gpu_check")
+    assert check.selected_steps(None) == check.selected_steps("") == check.KERNEL_STEPS
+    assert check.selected_steps("pytest-cuda, paged-kernel") == ("pytest-cuda", "paged-kernel")
+    with pytest.raises(ValueError, match="allowed: w4a16-kernel"):
+        check.selected_steps("pytest")
+    monkeypatch.setattr(check, "OUT", tmp_path)
+    monkeypatch.setattr(check, "KEEP", tmp_path / "keep")
+    monkeypatch.setenv("GPU_STEPS", "paged-kernel")
+    check.kernels()                                    # on CPU the step fails for want of CUDA, and says so
+    assert [p.name for p in tmp_path.glob("*.json")] == ["paged-kernel.json"]
+    assert "error" in json.loads((tmp_path / "paged-kernel.json").read_text())
+
+
+def test_gpu_notebooks_pick_the_notebooks_to_run():
+    check = load_tool("gpu_check")
+    everything = check.ordered_notebooks()
+    assert [p.name[:2] for p in everything[:3]] == check.NOTEBOOK_ORDER[:3] and len(everything) == 12
+    assert [p.name[:2] for p in check.ordered_notebooks(only="07, 02")] == ["02", "07"]    # the run's order
+    with pytest.raises(ValueError, match="allowed: 01"):
+        check.ordered_notebooks(only="13")

@@ -20,6 +20,8 @@ Call 2, `make gpu-notebooks`, right after (carry .gpu/wheels.2 and .gpu/model.2;
     8. pytest on the engine's CUDA tests (Triton paged attention, CUDA graphs)
     9. every notebook executed in full mode, in order, while the time box lasts: $OUT/notebooks.tar
        (one file: a call returns at most 8) and $OUT/notebooks.json (seconds and status of each)
+GPU_STEPS (comma-separated, default all) runs only some of call 1's steps (KERNEL_STEPS), for a lease
+that redoes what an earlier one left; GPU_NOTEBOOKS (numbers, e.g. "02,07") likewise for call 2.
 Each step has its own time box, cut to what is left of the call's deadline (GPU_CALL_SECONDS: 390 s for
 call 1, 300 s for call 2), so the two calls and the machine's start fit one 15-minute lease.
 Back here: `python tools/gpu_check.py unpack DIR` puts DIR's notebooks into notebooks/ and its JSON
@@ -190,10 +192,18 @@ def kernel_pythonpath(value: str | None, root: Path = ROOT) -> str:
     return os.pathsep.join(entries + ([str(root)] if str(root) not in entries else []))
 
 
-def ordered_notebooks(folder: Path = ROOT / "notebooks") -> list[Path]:
+def ordered_notebooks(folder: Path = ROOT / "notebooks", only: str | None = None) -> list[Path]:
+    """The notebooks in NOTEBOOK_ORDER; `only` (GPU_NOTEBOOKS, e.g. "02,07") keeps just those numbers."""
     by_number = {p.name[:2]: p for p in folder.glob("*.ipynb")}
-    return [by_number[n] for n in NOTEBOOK_ORDER if n in by_number] + \
-           sorted(p for n, p in by_number.items() if n not in NOTEBOOK_ORDER)
+    ordered = [by_number[n] for n in NOTEBOOK_ORDER if n in by_number] + \
+        sorted(p for n, p in by_number.items() if n not in NOTEBOOK_ORDER)
+    if not only:
+        return ordered
+    wanted = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in by_number]
+    if unknown or not wanted:
+        raise ValueError(f"GPU_NOTEBOOKS = {only!r}: no notebook numbered {unknown}; allowed: {', '.join(sorted(by_number))}")
+    return [p for p in ordered if p.name[:2] in wanted]
 
 
 def unpack(folder: Path) -> None:
@@ -222,28 +232,53 @@ def flash_attention_step() -> dict:
             "failed_configs": failed_configs(), "rows": rows}
 
 
+KERNEL_STEPS = ("w4a16-kernel", "flash-attention-kernel", "decode-7b-int4", "gpu-engine", "pytest-cuda",
+                "paged-kernel")
+
+
+def selected_steps(value: str | None) -> tuple[str, ...]:
+    """GPU_STEPS, e.g. "pytest-cuda,paged-kernel": the kernels stage's steps to run (default: all), so that a
+    later lease can redo only what an earlier one left; a step not run writes nothing."""
+    if not value:
+        return KERNEL_STEPS
+    chosen = tuple(s.strip() for s in value.split(",") if s.strip())
+    unknown = [s for s in chosen if s not in KERNEL_STEPS]
+    if unknown or not chosen:
+        raise ValueError(f"GPU_STEPS = {value!r}: unknown {unknown}; allowed: {', '.join(KERNEL_STEPS)}")
+    return chosen
+
+
 def kernels() -> None:
     global deadline
+    chosen = selected_steps(os.environ.get("GPU_STEPS"))
     deadline = Deadline(float(os.environ.get("GPU_CALL_SECONDS", "390")))
     import torch
 
     from minillm.benchmarks import common
-    print(common.machine_info(), flush=True)
+    print(common.machine_info(), "steps:", ", ".join(chosen), flush=True)
     keep_model_half()
     # each step imports what it needs inside its own time box: one failing import costs one step, not the call
-    step("w4a16-kernel", lambda: import_module("minillm.benchmarks.quant").kernel_benchmark(quick=False), 100)
-    step("flash-attention-kernel", flash_attention_step, 90)
-    step("decode-7b-int4", lambda: import_module("minillm.benchmarks.quant").end_to_end_decode(
-        "llama2-7b", "cuda", new_tokens=64), 60)
-    step("gpu-engine", lambda: import_module("minillm.benchmarks.gpu_engine").run("cuda", quick=False), 120)
-    run_pytest(KERNEL_TESTS, "pytest-cuda.log", int(os.environ.get("GPU_TEST_SECONDS", "130")))
-    step("paged-kernel", lambda: {"rows": import_module("minillm.benchmarks.paged").kernel_paging_cost(
-        [(1, 4096), (8, 1024), (32, 2048), (64, 4096)])}, 30)
+    steps = {
+        "w4a16-kernel": lambda: step("w4a16-kernel", lambda: import_module("minillm.benchmarks.quant").kernel_benchmark(
+            quick=False), 100),
+        "flash-attention-kernel": lambda: step("flash-attention-kernel", flash_attention_step, 90),
+        "decode-7b-int4": lambda: step("decode-7b-int4", lambda: import_module("minillm.benchmarks.quant").end_to_end_decode(
+            "llama2-7b", "cuda", new_tokens=64), 60),
+        "gpu-engine": lambda: step("gpu-engine", lambda: import_module("minillm.benchmarks.gpu_engine").run(
+            "cuda", quick=False), 120),
+        "pytest-cuda": lambda: run_pytest(KERNEL_TESTS, "pytest-cuda.log", int(os.environ.get("GPU_TEST_SECONDS", "130"))),
+        "paged-kernel": lambda: step("paged-kernel", lambda: {"rows": import_module("minillm.benchmarks.paged").kernel_paging_cost(
+            [(1, 4096), (8, 1024), (32, 2048), (64, 4096)])}, 30),
+    }
+    for name in KERNEL_STEPS:                          # always in this order (the most wanted first)
+        if name in chosen:
+            steps[name]()
     print("torch", torch.__version__, "cuda", torch.cuda.is_available())
 
 
 def notebooks() -> None:
     global deadline
+    chosen = ordered_notebooks(only=os.environ.get("GPU_NOTEBOOKS"))          # a bad list fails before any work
     deadline = Deadline(float(os.environ.get("GPU_CALL_SECONDS", "300")))
     os.environ.setdefault("MINILLM_CACHE", str(KEEP / "cache"))
     os.environ["PYTHONPATH"] = kernel_pythonpath(os.environ.get("PYTHONPATH"))
@@ -251,7 +286,7 @@ def notebooks() -> None:
     join_model()
     print("model:", fetch_smollm2(), flush=True)           # raises if the joined file fails its sha256
     run_pytest(ENGINE_TESTS, "pytest-engine-cuda.log", int(os.environ.get("GPU_ENGINE_TEST_SECONDS", "90")))
-    execute_notebooks(ordered_notebooks(), OUT, budget_s=deadline.box(float(os.environ.get("GPU_NOTEBOOK_SECONDS", "330"))))
+    execute_notebooks(chosen, OUT, budget_s=deadline.box(float(os.environ.get("GPU_NOTEBOOK_SECONDS", "330"))))
 
 
 if __name__ == "__main__":
