@@ -113,18 +113,24 @@ def paged_decode_layer(h: torch.Tensor, weights: tuple, cos: torch.Tensor, sin: 
     return decoder_layer(h, weights, lambda x: apply_rope(x, cos, sin), attention, n_heads, n_kv_heads, eps)
 
 
-compiled_rowwise_dot = torch.compile(rowwise_dot)     # the tied LM head of a compiled decode step
+compiled_rowwise_dot = torch.compile(rowwise_dot)     # lesson 02's compiled GEMV (fast_decode)
 
-# One compiled function serves every layer (all have the same shapes) and every step: the number
-# of blocks per row becomes symbolic (the runner marks it), the rest are constants of the loops.
-compiled_decode_layer = torch.compile(paged_decode_layer)
+# One compiled function serves every layer (all have the same shapes) and every step: the blocks per
+# row and the KV pool's block count are symbolic (the runner marks them), the rest are constants of
+# the loops. dynamic=False: Dynamo remembers the sizes it saw per function, not per model, so a second
+# model in the process (a draft beside its target, a notebook's second LLM) would otherwise find every
+# size it changed made symbolic, and symbolic loops run slower. Each model gets its own static graph
+# (tests/test_one_path.py counts the symbols a second model's step creates).
+compiled_decode_layer = torch.compile(paged_decode_layer, dynamic=False)
+compiled_head = torch.compile(rowwise_dot, dynamic=False)   # the tied LM head of a compiled decode step
 # For 2-byte weights, a second build: by default Inductor inlines the normalised input (RMSNorm)
 # into each GEMV loop and recomputes it, with the bf16 -> fp32 conversions, for every ROW;
 # materialising any pointwise result of more than 2 ops once makes the GEMV loop a bare
 # load-convert-multiply-add. Which build is faster depends on the CPU (lesson 02), so the engine's
 # build-time tuning step times both (model_runner.ModelRunner); fp32 takes the default.
 try:
-    compiled_decode_layer_16bit = torch.compile(paged_decode_layer, options={"realize_opcount_threshold": 2})
+    compiled_decode_layer_16bit = torch.compile(paged_decode_layer, dynamic=False,
+                                                options={"realize_opcount_threshold": 2})
 except RuntimeError:                      # options are checked at construction: an Inductor without it
     compiled_decode_layer_16bit = compiled_decode_layer
 DECODE_BUILDS = {"default": compiled_decode_layer, "materialised": compiled_decode_layer_16bit}

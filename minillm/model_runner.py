@@ -36,7 +36,7 @@ import torch
 from . import prepacked
 from .kernel_args import INTERPRETED
 from .attention import Run, choose_backend, make_backend
-from .layer import DECODE_BUILDS, compiled_or_eager, compiled_rowwise_dot, decoder_layer, paged_decode_layer
+from .layer import DECODE_BUILDS, compiled_head, compiled_or_eager, decoder_layer, paged_decode_layer
 from .model import Llama, ModelConfig
 from .paged_attention import block_table_tensor, copy_blocks, gather_kv, store_kv_reference
 from .positions import RopeTable, apply_rope_complex
@@ -427,18 +427,21 @@ class ModelRunner:
         group = batch.decode_groups[0]
         tables = group.tables if group.tables.shape[1] > 1 else group.tables.repeat(1, 2)   # (1, n >= 2)
         torch._dynamo.maybe_mark_dynamic(tables, 1)
+        k_caches, v_caches = self.kv.k.unbind(0), self.kv.v.unbind(0)   # L x (num_blocks, bs, Hkv, D) views
+        for cache in (k_caches[0], v_caches[0]):                         # the pool's size differs per engine
+            torch._dynamo.maybe_mark_dynamic(cache, 0)
         cos, sin = self._cos_sin(batch.positions)                        # (1, 1, D/2) each
         h = self.model.embed.weight.detach()[batch.tokens]               # (1, dim) gathered: not a view
         compiled = DECODE_BUILDS[build]
         for i, weights in enumerate(self.decode_weights):
-            h = self._run(compiled, paged_decode_layer, h, weights, cos, sin, self.kv.k[i], self.kv.v[i],
+            h = self._run(compiled, paged_decode_layer, h, weights, cos, sin, k_caches[i], v_caches[i],
                           batch.slot_mapping, tables, group.seq_lens, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps)
         self.compiled_decode_steps += 1
         if self.model.lm_head is not None:                               # an untied or quantised head
             return self.model.logits(h)                                  # (1, V)
         x = self.model.norm(h)[0]                                        # (dim,)
         head = self.model.embed.weight.detach()
-        return self._run(compiled_rowwise_dot, torch.mv, head, x)[None]  # (1, V): the tied head as one GEMV
+        return self._run(compiled_head, torch.mv, head, x)[None]         # (1, V): the tied head as one GEMV
 
 
 def _one_decode_row(batch: PagedBatch) -> bool:
