@@ -75,7 +75,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .kv_cache import KVCache, forward_cached
-from .layer import compiled_or_eager, compiled_rowwise_dot, rowwise_dot as _rowwise_dot
+from .layer import compiled_or_eager, rowwise_dot as _rowwise_dot
 from .model import Llama, attention_function, check_attention_backend
 from .positions import RopeTable, apply_rope, apply_rope_complex
 from .transforms import fuse_projections, is_fused  # noqa: F401  item 1: load-time transforms (pure), re-exported
@@ -146,7 +146,7 @@ def resolve_gemv(gemv: str, device) -> str:
 # Default (automatic) dynamic shapes: compiled for the exact shapes first; a size seen to change
 # is made symbolic in one recompile. Weight shapes never change, so the loops over them keep
 # static trip counts (faster than dynamic=True's all-symbolic code; lesson 02 has the numbers).
-_compiled_dot = compiled_rowwise_dot
+_compiled_dot = torch.compile(_rowwise_dot)
 
 
 def gemv_compiled(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

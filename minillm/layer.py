@@ -113,8 +113,6 @@ def paged_decode_layer(h: torch.Tensor, weights: tuple, cos: torch.Tensor, sin: 
     return decoder_layer(h, weights, lambda x: apply_rope(x, cos, sin), attention, n_heads, n_kv_heads, eps)
 
 
-compiled_rowwise_dot = torch.compile(rowwise_dot)     # lesson 02's compiled GEMV (fast_decode)
-
 # One compiled function serves every layer (all have the same shapes) and every step: the blocks per
 # row and the KV pool's block count are symbolic (the runner marks them), the rest are constants of
 # the loops. dynamic=False: Dynamo remembers the sizes it saw per function, not per model, so a second

@@ -258,21 +258,20 @@ def kernels() -> None:
     print(common.machine_info(), "steps:", ", ".join(chosen), flush=True)
     keep_model_half()
     # each step imports what it needs inside its own time box: one failing import costs one step, not the call
-    steps = {
-        "w4a16-kernel": lambda: step("w4a16-kernel", lambda: import_module("minillm.benchmarks.quant").kernel_benchmark(
-            quick=False), 100),
-        "flash-attention-kernel": lambda: step("flash-attention-kernel", flash_attention_step, 90),
-        "decode-7b-int4": lambda: step("decode-7b-int4", lambda: import_module("minillm.benchmarks.quant").end_to_end_decode(
+    timed = {   # name -> (what it measures, time box in s); pytest-cuda is run_pytest's
+        "w4a16-kernel": (lambda: import_module("minillm.benchmarks.quant").kernel_benchmark(quick=False), 100),
+        "flash-attention-kernel": (flash_attention_step, 90),
+        "decode-7b-int4": (lambda: import_module("minillm.benchmarks.quant").end_to_end_decode(
             "llama2-7b", "cuda", new_tokens=64), 60),
-        "gpu-engine": lambda: step("gpu-engine", lambda: import_module("minillm.benchmarks.gpu_engine").run(
-            "cuda", quick=False), 120),
-        "pytest-cuda": lambda: run_pytest(KERNEL_TESTS, "pytest-cuda.log", int(os.environ.get("GPU_TEST_SECONDS", "130"))),
-        "paged-kernel": lambda: step("paged-kernel", lambda: {"rows": import_module("minillm.benchmarks.paged").kernel_paging_cost(
+        "gpu-engine": (lambda: import_module("minillm.benchmarks.gpu_engine").run("cuda", quick=False), 120),
+        "paged-kernel": (lambda: {"rows": import_module("minillm.benchmarks.paged").kernel_paging_cost(
             [(1, 4096), (8, 1024), (32, 2048), (64, 4096)])}, 30),
     }
     for name in KERNEL_STEPS:                          # always in this order (the most wanted first)
-        if name in chosen:
-            steps[name]()
+        if name == "pytest-cuda" and name in chosen:
+            run_pytest(KERNEL_TESTS, "pytest-cuda.log", int(os.environ.get("GPU_TEST_SECONDS", "130")))
+        elif name in chosen:
+            step(name, *timed[name])
     print("torch", torch.__version__, "cuda", torch.cuda.is_available())
 
 

@@ -40,12 +40,17 @@ def _plot(rows, path):
     plt.savefig(path, dpi=120); plt.close()
 
 
+def _random_ids(model, shape: tuple[int, int], seed: int) -> torch.Tensor:
+    """Token ids in [3, vocab) on the model's device (a GPU run feeds a CUDA model)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, model.cfg.vocab_size, shape, generator=gen).to(model.embed.weight.device)
+
+
 def step_latency(model, position: int, cached: bool) -> float:
     """Seconds for the token at `position`: one forward of position+1 tokens, or one cached step
     (on the model's device; a GPU is synchronised before each clock read)."""
     device = model.embed.weight.device
-    ids = torch.randint(3, model.cfg.vocab_size, (1, position + 1),
-                        generator=torch.Generator().manual_seed(0)).to(device)            # (1, position+1)
+    ids = _random_ids(model, (1, position + 1), seed=0)                  # (1, position+1)
     if not cached:
         return time_median(lambda: model(ids), repeats=3, device=device)
     cache = KVCache(model.cfg, 1, position + 1, model.embed.weight.dtype, device=device)
@@ -61,8 +66,7 @@ def prefill_decode(model, batch: int, prompt_len: int, decode_steps: int) -> dic
     cfg = model.cfg
     dtype, device = model.embed.weight.dtype, model.embed.weight.device
     elem = torch.tensor([], dtype=dtype).element_size()
-    ids = torch.randint(3, cfg.vocab_size, (batch, prompt_len),
-                        generator=torch.Generator().manual_seed(1)).to(device)           # (batch, prompt_len)
+    ids = _random_ids(model, (batch, prompt_len), seed=1)               # (batch, prompt_len)
 
     def prefill():
         forward_cached(model, ids, KVCache(cfg, batch, prompt_len + 1, dtype, device=device))
