@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .layer import compile_on_first_call
 from .model import attention_function, sdpa_attention
 from .paged_attention import decode_attention_fused, gather_kv
 
@@ -65,7 +66,7 @@ def sdpa_prefill(q, keys, values, causal: bool = True):
     return sdpa_attention(q.float(), keys.float(), values.float(), causal).to(q.dtype)
 
 
-_compiled_decode_attention = torch.compile(decode_attention_fused)
+_compiled_decode_attention = compile_on_first_call(decode_attention_fused)
 
 
 def fused_decode_attention(q, k_cache, v_cache, block_tables, seq_lens):

@@ -75,7 +75,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .kv_cache import KVCache, forward_cached
-from .layer import compiled_or_eager, rowwise_dot as _rowwise_dot
+from .layer import compile_on_first_call, compiled_or_eager, rowwise_dot as _rowwise_dot
 from .model import Llama, attention_function, check_attention_backend
 from .positions import RopeTable, apply_rope, apply_rope_complex
 from .transforms import fuse_projections, is_fused  # noqa: F401  item 1: load-time transforms (pure), re-exported
@@ -146,7 +146,7 @@ def resolve_gemv(gemv: str, device) -> str:
 # Default (automatic) dynamic shapes: compiled for the exact shapes first; a size seen to change
 # is made symbolic in one recompile. Weight shapes never change, so the loops over them keep
 # static trip counts (faster than dynamic=True's all-symbolic code; lesson 02 has the numbers).
-_compiled_dot = torch.compile(_rowwise_dot)
+_compiled_dot = compile_on_first_call(_rowwise_dot)
 
 
 def gemv_compiled(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -264,17 +264,15 @@ def verify_layer(h: torch.Tensor, attn_norm: torch.Tensor, wqkv: torch.Tensor, w
 
 # All layers have the same shapes, so one compiled step serves the 30 layers; pos changes at the
 # second step and becomes symbolic (one recompile): from then on one graph serves every step.
-_compiled_decode_layer = torch.compile(decode_layer)
+_compiled_decode_layer = compile_on_first_call(decode_layer)
 # For 2-byte weights, a second build: by default Inductor inlines the normalised input (RMSNorm) into
 # each GEMV loop and recomputes it, with the bf16 -> fp32 conversions, for every ROW. Materialising any
 # pointwise result of more than 2 ops once (in fp32) makes the GEMV loop a bare load-convert-multiply-add.
 # Which build is faster depends on the CPU (lesson 02: the materialised one on the Intel Xeon VM, the
 # default one, by 2x, on the AMD EPYC VM), so a decoder takes the build it is given, or the one its
 # tune() step timed faster, or DEFAULT_BUILD; fp32 always runs the default build.
-try:
-    _compiled_decode_layer_16bit = torch.compile(decode_layer, options={"realize_opcount_threshold": 2})
-except RuntimeError:                      # options are checked here, at import: an Inductor without it
-    _compiled_decode_layer_16bit = _compiled_decode_layer
+_compiled_decode_layer_16bit = compile_on_first_call(decode_layer, options={"realize_opcount_threshold": 2},
+                                                   fallback=_compiled_decode_layer)   # an Inductor without it
 BUILDS_16BIT = ("default", "materialised")
 DEFAULT_BUILD = "default"                 # the recorded default: a decoder neither given a build nor tuned
 CHOICE_ROUNDS = 3                         # tune(): alternating timed rounds after one compiling round
@@ -288,7 +286,7 @@ def _build(name: str):
 # T and the cache length are marked dynamic (FastDecoder.verify) and pos becomes symbolic at the second
 # step (one recompile): from then on one graph serves every T >= 2 at every position, for every
 # sequence. Weight shapes stay static, as in decode_layer. One function for both dtypes (a graph each).
-_compiled_verify_layer = torch.compile(verify_layer)
+_compiled_verify_layer = compile_on_first_call(verify_layer)
 
 
 class FastDecoder:

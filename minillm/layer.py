@@ -41,6 +41,26 @@ def compiler_errors() -> tuple[type[BaseException], ...]:
     return tuple(e for e in found if e is not None)
 
 
+class compile_on_first_call:
+    """torch.compile(fn, **options), built when first called. torch.compile imports the compiler
+    (Dynamo, Inductor, sympy): about 3 s of a process's start on the 2-core VMs, which every CLI call,
+    server, worker and notebook would pay at `import minillm` whether it compiles or not.
+    fallback: what runs instead where Inductor refuses `options` (an option it does not have)."""
+
+    def __init__(self, fn, fallback=None, **options):
+        self.fn, self.options, self.fallback, self.compiled = fn, options, fallback, None
+
+    def __call__(self, *args, **kwargs):
+        if self.compiled is None:
+            try:
+                self.compiled = torch.compile(self.fn, **self.options)
+            except RuntimeError:                  # torch.compile checks the options when it builds the wrapper
+                if self.fallback is None:
+                    raise
+                self.compiled = self.fallback
+        return self.compiled(*args, **kwargs)
+
+
 def compiled_or_eager(owner, compiled, eager, *args):
     """compiled(*args); where torch.compile cannot build (no C++ compiler), warn once, record why in
     owner.compile_failed and run eager(*args), the same math unfused, from then on (the owner: a
@@ -119,16 +139,15 @@ def paged_decode_layer(h: torch.Tensor, weights: tuple, cos: torch.Tensor, sin: 
 # model in the process (a draft beside its target, a notebook's second LLM) would otherwise find every
 # size it changed made symbolic, and symbolic loops run slower. Each model gets its own static graph
 # (tests/test_one_path.py counts the symbols a second model's step creates).
-compiled_decode_layer = torch.compile(paged_decode_layer, dynamic=False)
-compiled_head = torch.compile(rowwise_dot, dynamic=False)   # the tied LM head of a compiled decode step
+compiled_decode_layer = compile_on_first_call(paged_decode_layer, dynamic=False)
+compiled_head = compile_on_first_call(rowwise_dot, dynamic=False)   # the tied LM head of a compiled decode step
 # For 2-byte weights, a second build: by default Inductor inlines the normalised input (RMSNorm)
 # into each GEMV loop and recomputes it, with the bf16 -> fp32 conversions, for every ROW;
 # materialising any pointwise result of more than 2 ops once makes the GEMV loop a bare
 # load-convert-multiply-add. Which build is faster depends on the CPU (lesson 02), so the engine's
-# build-time tuning step times both (model_runner.ModelRunner); fp32 takes the default.
-try:
-    compiled_decode_layer_16bit = torch.compile(paged_decode_layer, dynamic=False,
-                                                options={"realize_opcount_threshold": 2})
-except RuntimeError:                      # options are checked at construction: an Inductor without it
-    compiled_decode_layer_16bit = compiled_decode_layer
+# build-time tuning step times both (model_runner.ModelRunner); fp32 takes the default. An Inductor
+# without the option runs the default build.
+compiled_decode_layer_16bit = compile_on_first_call(paged_decode_layer, dynamic=False,
+                                                    options={"realize_opcount_threshold": 2},
+                                                    fallback=compiled_decode_layer)
 DECODE_BUILDS = {"default": compiled_decode_layer, "materialised": compiled_decode_layer_16bit}

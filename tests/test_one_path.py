@@ -172,3 +172,38 @@ def test_a_second_model_in_the_process_compiles_static_sizes():
     symbols = [r for r in records if r.startswith("create_symbol")]
     assert counters["stats"]["unique_graphs"] > graphs                      # the second model did compile
     assert len(symbols) <= 3, symbols
+
+
+def test_importing_the_library_does_not_import_the_compiler_and_a_decode_still_compiles():
+    """torch.compile imports Dynamo and Inductor (about 3 s of a process's start here), so each compiled
+    function is built at its first call: importing minillm, its CLI and its server costs none of it, and
+    the first decode step on CPU still runs compiled."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    code = ("import sys, minillm, minillm.llm, minillm.fast_decode, minillm.server, minillm.__main__\n"
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))\n"
+            "from helpers import CharTokenizer\n"
+            "from minillm import LLM, SamplingParams\n"
+            "from minillm.model import random_model, tiny_config\n"
+            "llm = LLM(model=random_model(tiny_config(), seed=0), tokenizer=CharTokenizer(), device='cpu', max_model_len=64)\n"
+            "llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),"
+            " use_tqdm=False)\n"
+            "print(llm._engine.runner.compiled_decode_steps, 'torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["[]", "2 True"], done.stdout
+
+
+def test_options_the_compiler_refuses_run_the_fallback():
+    from minillm.layer import compile_on_first_call
+
+    def double(x):
+        return 2 * x
+
+    refused = compile_on_first_call(lambda x: x + 1, options={"no_such_inductor_option": 1}, fallback=double)
+    assert refused(torch.tensor(3)) == 6
+    with pytest.raises(RuntimeError, match="no_such_inductor_option"):
+        compile_on_first_call(lambda x: x + 1, options={"no_such_inductor_option": 1})(torch.tensor(3))
