@@ -66,7 +66,10 @@ def sdpa_prefill(q, keys, values, causal: bool = True):
     return sdpa_attention(q.float(), keys.float(), values.float(), causal).to(q.dtype)
 
 
-_compiled_decode_attention = compile_on_first_call(decode_attention_fused)
+# dynamic=False: only the sizes marked below are symbolic. Dynamo remembers sizes per function, not per
+# model, so under its default a second model in the process (a draft, a test's next tiny model) would
+# turn the head counts, head size and block size symbolic too (as layer.compiled_decode_layer explains).
+_compiled_decode_attention = compile_on_first_call(decode_attention_fused, dynamic=False)
 
 
 def fused_decode_attention(q, k_cache, v_cache, block_tables, seq_lens):

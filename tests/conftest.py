@@ -39,6 +39,17 @@ def pytest_configure(config):
     config.pluginmanager.register(SessionRecorder(["*"]), SESSION_RECORDER)
 
 
+@pytest.fixture
+def fresh_compile_caches():
+    """The test compiles afresh. Dynamo keeps what it learnt per function for the whole process: the
+    sizes it saw change (made symbolic from then on: slower to compile and to run) and 8 recompiles
+    per function, after which it runs the function eagerly, so a compiled-vs-eager test could compare
+    eager with eager. Without this, a test of the batch-1 teaching stages inherits every earlier
+    test's shapes. (Inductor's disk cache keeps the recompiles cheap.)"""
+    torch._dynamo.reset()
+    yield
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):

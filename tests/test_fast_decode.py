@@ -13,13 +13,7 @@ from minillm.positions import RopeTable
 from helpers import greedy_under_naive_forward
 
 
-@pytest.fixture(autouse=True)
-def fresh_compile_caches():
-    """Each test compiles afresh: Dynamo allows 8 recompiles per function per process, and past
-    that it runs the function eagerly, which would let a compiled-vs-eager test compare eager
-    with eager. (Inductor's disk cache keeps the recompiles cheap.)"""
-    torch._dynamo.reset()
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_compile_caches")   # conftest: each test compiles afresh
 
 
 def _fast_greedy(model, prompt, n, chunks=(None,), **options):

@@ -385,6 +385,7 @@ def grounded_prompt(llm):
 REAL_MODEL_KS = (1, 3, 8)
 
 
+@pytest.mark.usefixtures("fresh_compile_caches")     # the verify step's shapes are this model's, not earlier tests'
 def test_real_model_greedy_identical_ngram_k_1_3_8(llm, grounded_prompt):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain, plain_text = run_plain(llm, grounded_prompt, params)
