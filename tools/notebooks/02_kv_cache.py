@@ -139,11 +139,12 @@ from minillm import LLM, SamplingParams
 llm = LLM(model="smollm2", dtype="float32", device=device)
 ids = llm.get_tokenizer().encode("Write a detailed essay about the printing press.")
 n = 16 if QUICK else 128
+reps = 1 if QUICK else 3                     # timed repeats; quick mode's timings are not read
 p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 fast = llm.generate([{"prompt_token_ids": ids}], p, use_tqdm=False)[0].outputs[0].token_ids
 print("fast path == cached baseline:", fast == generate_greedy(llm.model, [ids], n)[0])
-t_fast = time_median(lambda: llm.generate([{"prompt_token_ids": ids}], p, use_tqdm=False), repeats=3, device=device)
-t_plain = time_median(lambda: generate_greedy(llm.model, [ids], n), repeats=3, device=device)
+t_fast = time_median(lambda: llm.generate([{"prompt_token_ids": ids}], p, use_tqdm=False), repeats=reps, device=device)
+t_plain = time_median(lambda: generate_greedy(llm.model, [ids], n), repeats=reps, device=device)
 print(f"cached, unfused: {n/t_plain:.1f} tok/s   fast path: {n/t_fast:.1f} tok/s")
 """),
 ("md", r"""
@@ -185,7 +186,7 @@ if device == "cpu":
 ref = generate_greedy(llm.model, [ids], n)[0]
 for name, kw in steps.items():
     same = generate_greedy_fast(llm.model, ids, n, **kw) == ref                 # also the warm-up (compiles)
-    t = time_median(lambda: generate_greedy_fast(llm.model, ids, n, **kw), repeats=3, device=device)
+    t = time_median(lambda: generate_greedy_fast(llm.model, ids, n, **kw), repeats=reps, device=device)
     print(f"{name:24s} {n / t:6.1f} tok/s   same tokens as the baseline: {same}")
 """),
 ]
