@@ -61,7 +61,7 @@ def check_printed_equalities(name: str, text: str) -> None:
         assert re.search(pattern, text), f"{name}: the two lines of {pattern!r} disagree or are missing"
 
 
-# The longest first, so that the two kernels running at a time finish together.
+# The longest first, so that the kernels running at a time finish together.
 LONGEST_FIRST = ("02", "11", "07", "09", "08", "12", "10", "06", "01", "05", "03", "04")
 
 
@@ -82,10 +82,11 @@ def execute(path):
 
 @pytest.fixture(scope="module")
 def executed():
-    """Every notebook executed in quick mode, each in its own kernel, two kernels at a time with ONE
+    """Every notebook executed in quick mode, each in its own kernel, three kernels at a time with ONE
     torch thread each (OMP_NUM_THREADS=1, which a kernel inherits): on two cores one kernel's imports,
-    compiles and single-threaded Python overlap the other's. Two kernels with two threads each
-    oversubscribe the cores (the OpenMP threads wait on each other), which made this slower, not faster.
+    compiles, single-threaded Python and waits on its subprocesses overlap the others'. Kernels with two
+    threads each oversubscribe the cores (the OpenMP threads wait on each other), which made running two
+    at a time slower, not faster.
     Nothing here times anything that is checked: quick mode's printed timings are not asserted."""
     pytest.importorskip("nbformat")
     pytest.importorskip("nbclient")
@@ -96,7 +97,7 @@ def executed():
         mp.setenv("MINILLM_QUICK", "1")
         mp.setenv("MPLBACKEND", "Agg")
         mp.setenv("OMP_NUM_THREADS", "1")
-        with ThreadPoolExecutor(max_workers=2) as pool:
+        with ThreadPoolExecutor(max_workers=3) as pool:
             return dict(zip([p.name for p in order], pool.map(execute, order)))
 
 
