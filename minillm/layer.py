@@ -43,8 +43,8 @@ def compiler_errors() -> tuple[type[BaseException], ...]:
 
 class compile_on_first_call:
     """torch.compile(fn, **options), built when first called. torch.compile imports the compiler
-    (Dynamo, Inductor, sympy): about 3 s of a process's start on the 2-core VMs, which every CLI call,
-    server, worker and notebook would pay at `import minillm` whether it compiles or not.
+    (Dynamo, Inductor, sympy), most of `import minillm`'s time, which every CLI call, server, worker
+    and notebook would otherwise pay whether it compiles or not.
     fallback: what runs instead where Inductor refuses `options` (an option it does not have)."""
 
     def __init__(self, fn, fallback=None, **options):

@@ -175,7 +175,7 @@ def test_a_second_model_in_the_process_compiles_static_sizes():
 
 
 def test_importing_the_library_does_not_import_the_compiler_and_a_decode_still_compiles():
-    """torch.compile imports Dynamo and Inductor (about 3 s of a process's start here), so each compiled
+    """torch.compile imports Dynamo and Inductor (most of a process's start), so each compiled
     function is built at its first call: importing minillm, its CLI and its server costs none of it, and
     the first decode step on CPU still runs compiled."""
     import os
