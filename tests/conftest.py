@@ -44,8 +44,8 @@ def fresh_compile_caches():
     """The test compiles afresh. Dynamo keeps what it learnt per function for the whole process: the
     sizes it saw change (made symbolic from then on: slower to compile and to run) and 8 recompiles
     per function, after which it runs the function eagerly, so a compiled-vs-eager test could compare
-    eager with eager. Without this, a test of the batch-1 teaching stages inherits every earlier
-    test's shapes. (Inductor's disk cache keeps the recompiles cheap.)"""
+    eager with eager, or a "compiled" count include eager runs. Without this, a test inherits every earlier
+    test's shapes and graphs. (Inductor's disk cache keeps the recompiles cheap.)"""
     torch._dynamo.reset()
     yield
 

@@ -239,6 +239,7 @@ def llm_tokens(llm, prompts=PROMPTS[:1], n=N_TOKENS) -> list[list[int]]:
                                                          use_tqdm=False)]
 
 
+@pytest.mark.usefixtures("fresh_compile_caches")     # conftest: compiled here, not eager past Dynamo's recompile limit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_llm_batch1_decode_runs_the_compiled_step_on_packed_weights(method, dtype):
@@ -269,6 +270,7 @@ def test_qkv_and_gate_up_are_one_kernel_call_each_and_equal_separate_calls():
     assert cpu_kernels.fused_pack([nf4.layers[0].attn.wq], torch.float32) is None
 
 
+@pytest.mark.usefixtures("fresh_compile_caches")     # conftest: compiled here, not eager past Dynamo's recompile limit
 def test_gptq_act_order_layers_sharing_an_input_share_one_permutation():
     model = random_model(tiny_config(), seed=0, dtype=torch.bfloat16)
     calib = torch.randint(0, model.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))

@@ -93,6 +93,7 @@ def library_imports(start: str) -> set[str]:
     return seen
 
 
+@pytest.mark.usefixtures("fresh_compile_caches")     # conftest: compiled here, not eager past Dynamo's recompile limit
 @pytest.mark.parametrize("method", ["draft", "layerskip"])
 def test_model_drafts_run_on_the_production_forward_and_never_enter_a_teaching_stage(model, method):
     """The engine's speculation with a draft model: greedy output identical to the engine without
