@@ -1,4 +1,7 @@
 """Small shared pieces for tests (import as `from helpers import ...`; tests/ is on sys.path)."""
+import contextlib
+import logging
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -77,3 +80,24 @@ def greedy_under_naive_forward(model, prompt_ids, generated, tie=1e-4) -> bool:
         logits = model(torch.tensor([list(prompt_ids) + list(generated)]))[0, len(prompt_ids) - 1:-1].float()  # (n, V)
     chosen = logits.gather(1, torch.tensor(generated).view(-1, 1))[:, 0]                                   # (n,)
     return bool((chosen >= logits.max(-1).values - tie).all())
+
+
+@contextlib.contextmanager
+def symbols_created():
+    """Yields a list that collects the size symbols Dynamo creates inside the block (its
+    "create_symbol ... for L['x'].size()[d] ..." log lines): which sizes a compile made symbolic."""
+    symbols = []
+
+    def keep(record):
+        if record.getMessage().startswith("create_symbol"):
+            symbols.append(record.getMessage())
+
+    handler = logging.Handler()
+    handler.emit = keep
+    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = log.level
+    log.addHandler(handler), log.setLevel(logging.INFO)
+    try:
+        yield symbols
+    finally:
+        log.removeHandler(handler), log.setLevel(level)

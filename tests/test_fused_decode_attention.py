@@ -5,7 +5,7 @@ gather + SDPA, with the calls counted."""
 import pytest
 import torch
 
-from helpers import CharTokenizer, random_prompts
+from helpers import CharTokenizer, random_prompts, symbols_created
 from minillm import LLM, SamplingParams
 from minillm.model import random_model, tiny_config
 from minillm.attention import decode_attention_gathered, fused_decode_attention, make_backend
@@ -101,29 +101,17 @@ def test_a_second_head_layout_keeps_its_head_sizes_static_and_new_row_counts_reu
     """Dynamo remembers sizes per function: under its default, a second head layout would turn the head
     counts and head size symbolic (slower loops). Compiled with dynamic=False, only the sizes the wrapper
     marks (rows, blocks per row, pool blocks) are symbols, and other row and block counts reuse the graph."""
-    import logging
-
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    records = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    level = log.level
-    log.addHandler(handler), log.setLevel(logging.INFO)
-    try:
-        fused_decode_attention(*paged_case([5, 17, 3], 4, 2))               # the first layout: D=16
-        records.clear()
-        graphs = counters["stats"]["unique_graphs"]
+    fused_decode_attention(*paged_case([5, 17, 3], 4, 2))                   # the first layout: D=16
+    graphs = counters["stats"]["unique_graphs"]
+    with symbols_created() as new_symbols:
         q, k_cache, v_cache, tables, lens = paged_case([9, 30], 6, 3, head_dim=8)   # the second layout
         got = fused_decode_attention(q, k_cache, v_cache, tables, lens)
-        new_symbols = [r for r in records if r.startswith("create_symbol")]
-        assert counters["stats"]["unique_graphs"] == graphs + 1
-        fused_decode_attention(*paged_case([2, 40, 7, 11], 6, 3, head_dim=8, seed=1))   # more rows and blocks
-        assert counters["stats"]["unique_graphs"] == graphs + 1
-    finally:
-        log.removeHandler(handler), log.setLevel(level)
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    fused_decode_attention(*paged_case([2, 40, 7, 11], 6, 3, head_dim=8, seed=1))   # more rows and blocks
+    assert counters["stats"]["unique_graphs"] == graphs + 1
     torch.testing.assert_close(got, paged_attention_reference(q, k_cache, v_cache, tables, lens, 8 ** -0.5),
                                atol=1e-5, rtol=1e-5)
     marked = {"L['q'].size()[0]", "L['block_tables'].size()[0]", "L['block_tables'].size()[1]",

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from helpers import CharTokenizer, random_prompts
+from helpers import CharTokenizer, random_prompts, symbols_created
 from minillm import LLM, SamplingParams
 from minillm.model import random_model, tiny_config
 from minillm.model_runner import ModelRunner
@@ -151,25 +151,15 @@ def test_a_second_model_in_the_process_compiles_static_sizes():
     """Dynamo remembers sizes per function: without dynamic=False the second model's decode step would have
     every size that differs from the first model's made symbolic (slower loops). Only the sizes the runner
     marks (the block table's width, the KV pool's block count) may be symbols."""
-    import logging
-
     from torch._dynamo.utils import counters
 
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for cfg in (tiny_config(), tiny_config(dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128)):
         llm = LLM(model=random_model(cfg, seed=0), tokenizer=CharTokenizer(), device="cpu", max_model_len=64)
-        records, graphs = [], counters["stats"]["unique_graphs"]
-        handler = logging.Handler()
-        handler.emit = lambda record: records.append(record.getMessage())
-        log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-        level = log.level
-        log.addHandler(handler), log.setLevel(logging.INFO)
-        try:
+        graphs = counters["stats"]["unique_graphs"]
+        with symbols_created() as symbols:
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
-        finally:
-            log.removeHandler(handler), log.setLevel(level)
         assert llm._engine.runner.compiled_decode_steps > 0
-    symbols = [r for r in records if r.startswith("create_symbol")]
     assert counters["stats"]["unique_graphs"] > graphs                      # the second model did compile
     assert len(symbols) <= 3, symbols
 
