@@ -294,7 +294,8 @@ class FastDecoder:
     model is, and kept on this object: nothing is planted on the model, nothing is chosen inside a step.
 
     kind            "float": a fused float model (items 1-7); "packed": int8/int4 QuantLinears with CPU
-                    kernels (item 8); "baseline": anything else, run by kv_cache.forward_cached
+                    kernels (item 8); "baseline": anything else (also a model with QK-norm), run by
+                    kv_cache.forward_cached
     gemv            the GEMV mode one-token projections run (item 5), resolved for the model's device
     decode_weights  per layer (attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down) as tensors (float) or
                     int8/int4 packs (packed): what the compiled step reads; None where it does not apply
@@ -319,7 +320,9 @@ class FastDecoder:
         self.model, self.attention_backend = model, attention_backend
         self.gemv = resolve_gemv(gemv, device)
         self.compile_failed: str | None = None
-        if is_fused(model):                                               # NEW: item 1, fused at load time
+        if model.cfg.qk_norm:           # this stage predates QK-norm (Qwen3): the baseline runs such a model
+            self.kind, self.decode_weights = "baseline", None
+        elif is_fused(model):                                             # NEW: item 1, fused at load time
             self.kind = "float"
             self.decode_weights = float_decode_weights(model) if on_cpu else None
         else:
@@ -384,7 +387,7 @@ class FastDecoder:
             return self.build
         cfg, weight = self.model.cfg, self.model.embed.weight
         cache = KVCache(cfg, 1, 4, weight.dtype, weight.device)          # scratch: the timing writes only here
-        rope = RopeTable(cfg.head_dim, cfg.rope_theta, 4, weight.device)
+        rope = RopeTable(cfg.head_dim, cfg.rope_theta, 4, weight.device, cfg.rope_scaling)
         h = weight.detach()[0].clone()                                    # (dim,)
 
         def step(name):
@@ -481,7 +484,8 @@ class FastDecoder:
         weight = self.model.embed.weight
         total = len(prompt) + max_new_tokens
         cache = KVCache(self.model.cfg, 1, total, weight.dtype, weight.device)
-        rope = RopeTable(self.model.cfg.head_dim, self.model.cfg.rope_theta, total, weight.device)
+        rope = RopeTable(self.model.cfg.head_dim, self.model.cfg.rope_theta, total, weight.device,
+                             self.model.cfg.rope_scaling)
         logits = self.forward(torch.tensor([prompt], device=weight.device), cache, rope)   # (1, V)
         out = []
         for step in range(max_new_tokens):

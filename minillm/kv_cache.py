@@ -95,11 +95,11 @@ def forward_cached(model: Llama, tokens: torch.Tensor, cache: KVCache, num_new: 
     # BEGIN SOLUTION kv_cache
     # HINT: the T new tokens continue each sequence where its cache ends: positions (B, T) is
     # HINT: start[b] + 0, 1, ..., T-1. RoPE needs the angles of those positions: rope_cos_sin(positions,
-    # HINT: cfg.head_dim, cfg.rope_theta) gives (B, T, D/2); add a head axis -> (B, 1, T, D/2).
+    # HINT: cfg.head_dim, cfg.rope_theta, cfg.rope_scaling) gives (B, T, D/2); add a head axis -> (B, 1, T, D/2).
     # HINT: Attention reads S = max(start + T) cached keys; mask (B, 1, T, S) is True where the key's
     # HINT: position <= the query's position (causal, and it hides another row's unused slots).
     positions = start[:, None] + torch.arange(T, device=tokens.device)   # (B, T)
-    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)     # (B, T, D/2)
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)   # (B, T, D/2)
     cos, sin = cos[:, None], sin[:, None]                                # (B, 1, T, D/2)
     S = int((start + T).max())                                           # keys to look at
     key_pos = torch.arange(S, device=tokens.device)

@@ -7,11 +7,12 @@ builds that flat batch). Only `attention` knows where one request ends and the n
 receives q, k, v of every row, stores k and v in the paged cache and returns each row's output.
 
 What differs between the ways the engine runs this layer is data, not code:
-- `weights` per layer: (attn_norm, qkv, wo, ffn_norm, gate_up, down). A projection is a tensor
+- `weights` per layer: (attn_norm, qkv, wo, ffn_norm, gate_up, down, qk_norm). A projection is a tensor
   (out, in), a packed int8/int4 tuple (quant/cpu_kernels.fused_pack), or any callable x -> y
   (an nn.Linear, a prepacked GEMM, a tensor-parallel linear that all-reduces, three quantised
   linears side by side). `project` applies whichever it is. q, k, v come from ONE matrix and
-  gate, up from ONE: fused once, at load time (transforms.fuse_projections).
+  gate, up from ONE: fused once, at load time (transforms.fuse_projections). qk_norm: None, or
+  the (q_norm, k_norm) weights (D,) of a model that RMS-normalises each head of q and k (Qwen3).
 - `attention`: a closure over the step's attention metadata (model_runner).
 - compiled or not: a decode-only step on CPU runs this same function under torch.compile
   (compiled_decode_layer below), which turns each layer into a few generated loops; the
@@ -100,14 +101,18 @@ def decoder_layer(h: torch.Tensor, weights: tuple, rope, attention, n_heads: int
     rope(x) rotates x (N, H, D) by each row's position (RoPE; positions.apply_rope_complex eagerly,
     positions.apply_rope under torch.compile, which generates no complex arithmetic);
     attention(q, k, v) -> (N, Hq, D) with q (N, Hq, D) and k (N, Hkv, D) rotated, v (N, Hkv, D)."""
-    attn_norm, qkv, wo, ffn_norm, gate_up, down = weights
+    attn_norm, qkv, wo, ffn_norm, gate_up, down, qk_norm = weights
     N = h.shape[0]
     Hq, Hkv = n_heads, n_kv_heads
     x = F.rms_norm(h, attn_norm.shape, attn_norm, eps)                           # (N, dim)
     qkv_out = project(qkv, x)                                                    # (N, (Hq+2Hkv)*D)
     D = qkv_out.shape[-1] // (Hq + 2 * Hkv)
     qk, v = qkv_out.split([(Hq + Hkv) * D, Hkv * D], dim=-1)
-    qk = rope(qk.view(N, Hq + Hkv, D))                                          # (N, Hq+Hkv, D): q, k together
+    qk = qk.view(N, Hq + Hkv, D)                                                 # (N, Hq+Hkv, D): q, k together
+    if qk_norm is not None:                                                      # each head RMS-normalised
+        q_norm, k_norm = qk_norm
+        qk = torch.cat([F.rms_norm(qk[:, :Hq], (D,), q_norm, eps), F.rms_norm(qk[:, Hq:], (D,), k_norm, eps)], 1)
+    qk = rope(qk)
     out = attention(qk[:, :Hq], qk[:, Hq:], v.view(N, Hkv, D))                   # (N, Hq, D)
     h = h + project(wo, out.reshape(N, Hq * D))
     gate, up = project(gate_up, F.rms_norm(h, ffn_norm.shape, ffn_norm, eps)).chunk(2, dim=-1)   # (N, ffn) each

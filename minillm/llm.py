@@ -85,7 +85,8 @@ class LLM:
             self._quantize(quantization)
         elif not any(isinstance(m, QuantLinear) for m in self.model.modules()):   # a model quantised already
             fuse_projections(self.model)      # views: the baseline modules see the same weights
-        self.rope = RopeTable(self.config.head_dim, self.config.rope_theta, max_model_len, self.device)
+        self.rope = RopeTable(self.config.head_dim, self.config.rope_theta, max_model_len, self.device,
+                              self.config.rope_scaling)
         self._engine = None                  # built on first use: it allocates the KV pool
         parallel = self.engine_config.parallel
         if parallel.mode is not None:        # last, so that no check above can fail with workers running

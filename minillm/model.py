@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .positions import apply_rope, causal_mask, rope_cos_sin
+from .positions import ROPE_SCALINGS, apply_rope, causal_mask, rope_cos_sin
 
 
 @dataclass
@@ -35,10 +35,15 @@ class ModelConfig:
     max_seq_len: int = 8192    # positions the model was trained for
     tie_embeddings: bool = True
     qkv_bias: bool = False     # Qwen2 has biases on q, k, v
+    qk_norm: bool = False      # Qwen3: RMSNorm over each head of q and k, before RoPE
+    rope_scaling: dict | None = None   # a longer context than trained for (positions.scale_frequencies)
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ROPE_SCALINGS:
+            raise ValueError(f"RoPE scaling {self.rope_scaling.get('rope_type')!r} is not supported; "
+                             f"allowed: None, {', '.join(map(repr, ROPE_SCALINGS))}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,7 +52,7 @@ class ModelConfig:
         d, kv = self.dim, self.n_kv_heads * self.head_dim
         q = self.n_heads * self.head_dim
         attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0)
-        layer = attn + 3 * d * self.ffn_dim + 2 * d
+        layer = attn + 3 * d * self.ffn_dim + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
         head = 0 if self.tie_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.n_layers * layer + d + head
 
@@ -131,13 +136,18 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def project_qkv(self, x, cos, sin):
-        """x (B, T, dim) -> q (B, Hq, T, hd), k and v (B, Hkv, T, hd), RoPE applied to q and k."""
+        """x (B, T, dim) -> q (B, Hq, T, hd), k and v (B, Hkv, T, hd), RoPE applied to q and k
+        (after each head of q and k is RMS-normalised, where the model has QK-norm)."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, attend=naive_attention_fp32):  # x: (B, T, dim)
@@ -192,7 +202,7 @@ class Llama(nn.Module):
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {T} tokens exceeds the model's max_seq_len {self.cfg.max_seq_len}")
         positions = torch.arange(T, device=tokens.device)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)  # (T, hd/2)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)  # (T, hd/2)
         h = self.embed(tokens)                               # (B, T, dim)
         for layer in self.layers:
             h = layer(h, cos, sin, attend)

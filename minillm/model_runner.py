@@ -298,7 +298,7 @@ class ModelRunner:
         return weights + ([model.embed.weight] if model.lm_head is None else [])
 
     def _eager_weights(self, rows: int | None, libraries: dict[str, str]) -> tuple[list, prepacked.PrepackedLinear | None]:
-        """-> per layer (attn_norm, qkv, wo, ffn_norm, gate_up, down) for the eager forward, each
+        """-> per layer (attn_norm, qkv, wo, ffn_norm, gate_up, down, qk_norm) for the eager forward, each
         projection prepacked for `rows` rows by the library `libraries` names for its shape (empty:
         none), an int8/int4 pack, or the module itself; and the prepacked tied LM head or None."""
         model = self.model
@@ -321,7 +321,9 @@ class ModelRunner:
                 gate_up = _packs([ffn.w_gate, ffn.w_up], model) or Stacked([ffn.w_gate, ffn.w_up])
             wo = (None if self.fused else _packs([attn.wo], model)) or eager(attn.wo)
             down = (None if self.fused else _packs([ffn.w_down], model)) or eager(ffn.w_down)
-            out.append((layer.attn_norm.weight.detach(), qkv, wo, layer.ffn_norm.weight.detach(), gate_up, down))
+            qk_norm = None if attn.q_norm is None else (attn.q_norm.weight.detach(), attn.k_norm.weight.detach())
+            out.append((layer.attn_norm.weight.detach(), qkv, wo, layer.ffn_norm.weight.detach(), gate_up, down,
+                        qk_norm))
         return out, packed_head
 
     def _compiled_weights(self) -> list | None:
@@ -340,7 +342,7 @@ class ModelRunner:
                 if not all(isinstance(p, PackedProjection) for p in projections):
                     return None
                 projections = [p.pack for p in projections]
-            out.append((eager[0], projections[0], projections[1], eager[3], projections[2], projections[3]))
+            out.append((eager[0], projections[0], projections[1], eager[3], projections[2], projections[3], eager[6]))
         return out
 
     def _choose_decode_build(self, rounds: int = 3) -> str:

@@ -20,18 +20,48 @@ tokens), and query t, at position S - T + t, sees keys 0 .. S - T + t.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 
-def rope_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
+ROPE_SCALINGS = ("linear", "llama3", "freq_factors")
+
+
+def rope_frequencies(head_dim: int, theta: float, device=None, scaling: dict | None = None) -> torch.Tensor:
     """theta^(-2i / head_dim) for i = 0 .. head_dim/2 - 1, fp32 (head_dim/2,): pair i turns by
-    position * this."""
-    return theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    position * this; rescaled for a longer context where the model was trained so (scaling)."""
+    freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    return freqs if scaling is None else scale_frequencies(freqs, scaling)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
+def scale_frequencies(freqs: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """RoPE scaling (ModelConfig.rope_scaling) applied to the frequencies (D/2,):
+    - "linear": every frequency divided by `factor` (positions interpolated);
+    - "llama3" (Llama 3.1 / 3.2): frequencies whose wavelength is shorter than
+      original_max_position_embeddings / high_freq_factor are kept, those longer than
+      original_max_position_embeddings / low_freq_factor divided by `factor`, and the band between
+      blended linearly in (original context / wavelength);
+    - "freq_factors": frequency i divided by factors[i] (how GGUF files store any such scaling:
+      the rope_freqs tensor)."""
+    kind = scaling.get("rope_type")
+    if kind == "linear":
+        return freqs / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        context = scaling["original_max_position_embeddings"]
+        wavelength = 2 * math.pi / freqs                                         # (D/2,) positions per turn
+        blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)    # 0: long waves, 1: short
+        return blend * freqs + (1 - blend) * freqs / factor
+    if kind == "freq_factors":
+        return freqs / torch.tensor(scaling["factors"], dtype=freqs.dtype, device=freqs.device)
+    raise ValueError(f"RoPE scaling {kind!r} is not supported; allowed: {', '.join(map(repr, ROPE_SCALINGS))}")
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: dict | None = None):
     """cos, sin of shape (..., head_dim // 2) for integer positions (...)."""
-    angles = positions.float()[..., None] * rope_frequencies(head_dim, theta, positions.device)   # (..., hd/2)
+    freqs = rope_frequencies(head_dim, theta, positions.device, scaling)         # (hd/2,)
+    angles = positions.float()[..., None] * freqs                                # (..., hd/2)
     return angles.cos(), angles.sin()
 
 
@@ -51,8 +81,8 @@ class RopeTable:
     (for apply_rope) and the same as unit complex numbers, rotation = cos + i sin (max_len, D/2)
     complex64 (for apply_rope_complex)."""
 
-    def __init__(self, head_dim: int, theta: float, max_len: int, device):
-        self.cos, self.sin = rope_cos_sin(torch.arange(max_len, device=device), head_dim, theta)
+    def __init__(self, head_dim: int, theta: float, max_len: int, device, scaling: dict | None = None):
+        self.cos, self.sin = rope_cos_sin(torch.arange(max_len, device=device), head_dim, theta, scaling)
         self.rotation = torch.complex(self.cos, self.sin)
 
 

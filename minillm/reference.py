@@ -38,7 +38,7 @@ def stream_contiguous(llm, req: Request, decoder: FastDecoder | None = None) -> 
         return
     room = min(llm.max_model_len, len(req.prompt_token_ids) + req.params.max_tokens)
     cache = KVCache(llm.config, 1, room, llm.model.embed.weight.dtype, llm.device)
-    rope = RopeTable(llm.config.head_dim, llm.config.rope_theta, room, llm.device)
+    rope = RopeTable(llm.config.head_dim, llm.config.rope_theta, room, llm.device, llm.config.rope_scaling)
     prompt = torch.tensor([req.prompt_token_ids], device=llm.device)              # (1, T)
     if req.params.prompt_logprobs is not None:
         logits = forward_cached(llm.model, prompt, cache, all_logits=True)[0]     # (T, V)

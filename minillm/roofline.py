@@ -370,6 +370,22 @@ LLAMA2_13B = ModelConfig(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_
 QWEN25_7B = ModelConfig(vocab_size=152064, dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128,
                         ffn_dim=18944, rope_theta=1000000.0, max_seq_len=32768, tie_embeddings=False,
                         qkv_bias=True)
+# Lesson 03's families table (issue 45). Qwen/Qwen3-8B's config.json and model card (36 layers, 32 query and 8
+# KV heads of 128, QK-norm, no biases, untied; 8.2B parameters, 6.95B without the embeddings; 32K native
+# context, YaRN to 128K not modelled). Mistral 7B (Jiang et al. 2023, arXiv 2310.06825, Table 1: dim 4096,
+# 32 layers, head_dim 128, hidden_dim 14336, 32 heads, 8 KV heads, window 4096, context 8192, vocab 32000).
+QWEN3_8B = ModelConfig(vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
+                       ffn_dim=12288, rope_theta=1000000.0, max_seq_len=32768, tie_embeddings=False, qk_norm=True)
+MISTRAL_7B = ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                         ffn_dim=14336, rope_theta=10000.0, max_seq_len=8192, tie_embeddings=False)
+MISTRAL_7B_WINDOW = 4096        # tokens each layer attends back (the paper's W); minillm refuses windowed models
+
+
+def windowed_kv_bytes(cfg: ModelConfig, bytes_per_value: float, tokens: int, window: int | None) -> float:
+    """K and V bytes one sequence of `tokens` needs: every token's, or only the last `window` ones where each
+    layer attends back that far (a rolling buffer; Mistral 7B)."""
+    kept = tokens if window is None else min(tokens, window)
+    return kv_bytes_per_token(cfg, bytes_per_value) * kept
 
 
 def tensor_parallel_step_seconds(cfg: ModelConfig, gpu: str, bytes_per_param: float, gpus: int, batch: int = 1,

@@ -253,7 +253,7 @@ class DraftPool:
         weight = model.embed.weight
         self.model, self.block_size, self.max_len = model, block_size, max_len
         self.attention_backend = attention_backend
-        self.rope = RopeTable(model.cfg.head_dim, model.cfg.rope_theta, max_len, weight.device)
+        self.rope = RopeTable(model.cfg.head_dim, model.cfg.rope_theta, max_len, weight.device, model.cfg.rope_scaling)
         num_blocks = num_blocks or -(-max_len // block_size)
         self.free = list(range(num_blocks))[::-1]                      # pop() hands out block 0 first
         self.runner = self._runner(PagedKVCache(model.cfg, num_blocks, block_size, weight.dtype, weight.device))

@@ -32,7 +32,7 @@ class Stepper:
         weight = model.embed.weight
         self.decoder = decoder
         self.cache = KVCache(model.cfg, 1, max_len, weight.dtype, weight.device)
-        self.rope = RopeTable(model.cfg.head_dim, model.cfg.rope_theta, max_len, weight.device)
+        self.rope = RopeTable(model.cfg.head_dim, model.cfg.rope_theta, max_len, weight.device, model.cfg.rope_scaling)
 
     @property
     def length(self) -> int:

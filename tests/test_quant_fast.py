@@ -250,7 +250,7 @@ def test_llm_batch1_decode_runs_the_compiled_step_on_packed_weights(method, dtyp
     runner = llm.engine.runner
     assert runner.compiled_decode_steps == N_TOKENS - 1                      # every decode token, one row
     packs = runner.decode_weights
-    assert len(packs) == llm.config.n_layers and all(isinstance(w, tuple) for w in packs[0][1:3] + packs[0][4:])
+    assert len(packs) == llm.config.n_layers and all(isinstance(w, tuple) for w in packs[0][1:3] + packs[0][4:6])
     with cpu_kernels.reference_path(llm.model):                            # dequantise + F.linear, eager
         reference = LLM(model=llm.model, tokenizer=CharTokenizer(), device="cpu", max_model_len=64)
         assert reference.engine.runner.decode_weights is None

@@ -80,7 +80,7 @@ def pipeline_forward(stage: Llama, tokens: torch.Tensor, num_micro: int, timing:
     timing, if given, gets "busy" (seconds computing) and "wall" (first start to last end)."""
     rank, p = stage.pp_rank, stage.pp_size
     B, T = tokens.shape
-    cos, sin = rope_cos_sin(torch.arange(T), stage.cfg.head_dim, stage.cfg.rope_theta)   # (T, hd/2)
+    cos, sin = rope_cos_sin(torch.arange(T), stage.cfg.head_dim, stage.cfg.rope_theta, stage.cfg.rope_scaling)   # (T, hd/2)
     dtype, dim = stage.embed.weight.dtype, stage.cfg.dim
     sends, busy, t0 = [], 0.0, time.perf_counter()
     for mb in tokens.tensor_split(num_micro):                     # (b, T) each

@@ -146,6 +146,8 @@ def shard_model(model: Llama, rank: int, size: int, group=None) -> Llama:
     for mine, full in zip(shard.layers, model.layers):
         mine.attn_norm, mine.ffn_norm = _copy(full.attn_norm), _copy(full.ffn_norm)
         a, f = full.attn, full.ffn
+        if a.q_norm is not None:                                   # per head: every rank's heads use the same
+            mine.attn.q_norm, mine.attn.k_norm = _copy(a.q_norm), _copy(a.k_norm)
         mine.attn.wq, mine.attn.wk, mine.attn.wv = (column_slice(m, rank, size) for m in (a.wq, a.wk, a.wv))
         mine.attn.wo = RowParallelLinear(a.wo, rank, size, group)
         mine.ffn.w_gate, mine.ffn.w_up = column_slice(f.w_gate, rank, size), column_slice(f.w_up, rank, size)

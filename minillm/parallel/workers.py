@@ -95,7 +95,8 @@ def serve(model: Llama, mode: str, rank: int, size: int) -> None:
             device = model.embed.weight.device
             kv = PagedKVCache(model.cfg, opts["num_blocks"], opts["block_size"], model.embed.weight.dtype, device,
                               opts["kv_cache_dtype"])
-            runner = ModelRunner(model, kv, RopeTable(model.cfg.head_dim, model.cfg.rope_theta, opts["max_len"], device))
+            runner = ModelRunner(model, kv, RopeTable(model.cfg.head_dim, model.cfg.rope_theta, opts["max_len"], device,
+                                                              model.cfg.rope_scaling))
         elif msg[0] == "counts":                          # the bytes this rank sent, for the driver
             dist.gather_object(dict(COUNTS), None, dst=0)
             if msg[1]:

@@ -47,7 +47,8 @@ def calibrate_sequentially(model, ids: torch.Tensor, quantize_block: Callable[[i
                            progress: bool = False):
     """quantize_block(index, block, h (N, T, dim), cos, sin) must replace the block's linears in place."""
     N, T = ids.shape
-    cos, sin = rope_cos_sin(torch.arange(T, device=ids.device), model.cfg.head_dim, model.cfg.rope_theta)  # (T, hd/2)
+    cos, sin = rope_cos_sin(torch.arange(T, device=ids.device), model.cfg.head_dim, model.cfg.rope_theta,
+                            model.cfg.rope_scaling)  # (T, hd/2)
     h = model.embed(ids)                                                # (N, T, dim)
     blocks = list(enumerate(model.layers))
     if progress:
