@@ -78,4 +78,60 @@ for kv in (3, 1):
 print(f"MQA without uptraining costs {ppl[1]/ppl[3]-1:+.0%} perplexity")
 llm.model = base
 """),
+("md", r"""
+## 4. The families readers deploy: each a small switch in the same layer
+
+Llama, Mistral, Qwen2 and Qwen3 differ by a few config fields (lesson 03, "What changes between model families"):
+Qwen2 adds biases on q, k and v; Qwen3 normalises every head of q and k and sets head_dim apart from
+hidden / heads; Llama-3.1 rescales RoPE's low frequencies. Below, a tiny random-weight model of each family is made
+with its own transformers config class, saved as an HF folder, loaded by minillm, and compared with transformers.
+"""),
+("code", r"""
+import json, tempfile
+import transformers
+from minillm.loader import load_model
+transformers.utils.logging.disable_progress_bar()
+
+tiny = dict(vocab_size=256, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+families = {
+    "llama-3.1": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                  dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
+}
+ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(0))
+hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=llm.get_tokenizer().tok)   # a folder needs a tokenizer.json
+for name, (config_class, model_class, extra) in families.items():
+    torch.manual_seed(0)
+    hf = model_class(config_class(**tiny, **extra)).eval()
+    with torch.no_grad():
+        for p_name, p in hf.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in p_name else 0.2 * torch.randn_like(p))
+    folder = tempfile.mkdtemp()
+    hf.save_pretrained(folder)
+    hf_tokenizer.save_pretrained(folder)
+    ours, _ = load_model(folder, dtype="float32", device="cpu")
+    c = ours.cfg
+    with torch.no_grad():
+        diff = (ours(ids) - hf(ids).logits).abs().max().item()
+    print(f"{name:10s} qkv_bias={c.qkv_bias!s:5s} qk_norm={c.qk_norm!s:5s} head_dim={c.head_dim} "
+          f"rope_scaling={(c.rope_scaling or {}).get('rope_type')}: max |logit difference| vs transformers = {diff:.1e}")
+"""),
+("md", r"""
+A config asking for what the forward does not implement is refused by name, never ignored: Mistral-7B v0.1's
+4,096-token sliding window, for one.
+"""),
+("code", r"""
+hf = transformers.MistralForCausalLM(transformers.MistralConfig(**tiny, sliding_window=32)).eval()
+folder = tempfile.mkdtemp()
+hf.save_pretrained(folder)
+hf_tokenizer.save_pretrained(folder)
+try:
+    load_model(folder, dtype="float32", device="cpu")
+except ValueError as e:
+    print("refused:", e)
+"""),
 ]
