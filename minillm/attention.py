@@ -59,11 +59,11 @@ def sdpa(q, keys, values, attn_mask=None, is_causal=False):
     return out.to(q.dtype)
 
 
-def sdpa_prefill(q, keys, values, causal: bool = True):
+def sdpa_prefill(q, keys, values, causal: bool = True, window: int | None = None):
     """model.sdpa_attention (causal with an offset after cached keys) by way of `sdpa` above."""
     if q.device.type != "cpu" or q.element_size() != 2:
-        return sdpa_attention(q, keys, values, causal)
-    return sdpa_attention(q.float(), keys.float(), values.float(), causal).to(q.dtype)
+        return sdpa_attention(q, keys, values, causal, window)
+    return sdpa_attention(q.float(), keys.float(), values.float(), causal, window).to(q.dtype)
 
 
 # dynamic=False: only the sizes marked below are symbolic. Dynamo remembers sizes per function, not per
@@ -72,7 +72,7 @@ def sdpa_prefill(q, keys, values, causal: bool = True):
 _compiled_decode_attention = compile_on_first_call(decode_attention_fused, dynamic=False)
 
 
-def fused_decode_attention(q, k_cache, v_cache, block_tables, seq_lens):
+def fused_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, window=None):
     """decode_attention_fused compiled once per head layout, block size and dtype: the rows, the blocks
     per row and the pool size are marked symbolic from the first call, while the head counts, head
     size and block size stay constants of the generated loops (all-symbolic code, dynamic=True or a
@@ -88,13 +88,16 @@ def fused_decode_attention(q, k_cache, v_cache, block_tables, seq_lens):
     for t, dims in ((q, (0,)), (block_tables, (0, 1)), (seq_lens, (0,)), (k_cache, (0,)), (v_cache, (0,))):
         for d in dims:
             torch._dynamo.maybe_mark_dynamic(t, d)
-    return _compiled_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)[:B]   # (B, Hq, D)
+    return _compiled_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, window)[:B]   # (B, Hq, D)
 
 
-def decode_attention_gathered(q, k_cache, v_cache, block_tables, seq_lens):
+def decode_attention_gathered(q, k_cache, v_cache, block_tables, seq_lens, window=None):
     """decode_attention_fused's contract by gather + SDPA: what runs where compiling fails."""
     keys, values = gather_kv(k_cache, v_cache, block_tables, dtype=q.dtype)   # (B, L, Hkv, D)
-    visible = torch.arange(keys.shape[1], device=q.device) < seq_lens[:, None]  # (B, L)
+    key_pos = torch.arange(keys.shape[1], device=q.device)
+    visible = key_pos < seq_lens[:, None]                                        # (B, L)
+    if window is not None:
+        visible &= key_pos >= seq_lens[:, None] - window
     out = sdpa(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible[:, None, None])
     return out[:, :, 0]                                                          # (B, Hq, D)
 
@@ -103,11 +106,12 @@ class TorchBackend:
     """Gather, then SDPA: the reference every other backend is tested against."""
     name = "torch"
 
-    def __init__(self, kv, prefill: str = "sdpa", run_compiled=None):
+    def __init__(self, kv, prefill: str = "sdpa", run_compiled=None, window: int | None = None):
         """kv: the PagedKVCache; prefill: the attention function of prefill runs (model.ATTENTION_BACKENDS);
         run_compiled(compiled, eager, *args): how a compiled kernel is called (the runner's, which
-        falls back to eager where torch.compile cannot build)."""
-        self.kv = kv
+        falls back to eager where torch.compile cannot build); window: the model's sliding window
+        (each row sees its last `window` keys; the decode groups' masks carry it, model_runner.build_batch)."""
+        self.kv, self.window = kv, window
         self.prefill_attention = sdpa_prefill if prefill == "sdpa" else attention_function(prefill)
         self.run_compiled = run_compiled or (lambda compiled, eager, *args: compiled(*args))
         self._buffers = [torch.empty(0, dtype=kv.k.dtype, device=kv.k.device) for _ in range(2)]
@@ -164,7 +168,7 @@ class TorchBackend:
             keys, values = self.kv.gather(layer, run.blocks)              # (1, L_pad, Hkv, D)
             keys = keys[:, :run.start + run.length].transpose(1, 2)       # (1, Hkv, L, D)
             values = values[:, :run.start + run.length].transpose(1, 2)
-            out[rows] = self.prefill_attention(qp, keys, values, causal=True)[0].transpose(0, 1)
+            out[rows] = self.prefill_attention(qp, keys, values, causal=True, window=self.window)[0].transpose(0, 1)
         return out
 
     def _decode_buffers(self, batch) -> tuple | None:
@@ -190,8 +194,8 @@ class CpuFusedBackend(TorchBackend):
     """Decode groups of one query per request by the compiled in-place kernel; the rest as TorchBackend."""
     name = "cpu-fused"
 
-    def __init__(self, kv, prefill: str = "sdpa", run_compiled=None):
-        super().__init__(kv, prefill, run_compiled)
+    def __init__(self, kv, prefill: str = "sdpa", run_compiled=None, window: int | None = None):
+        super().__init__(kv, prefill, run_compiled, window)
         self.fused_calls = 0                    # tests prove the path ran
 
     def gathers(self, group) -> bool:
@@ -203,7 +207,7 @@ class CpuFusedBackend(TorchBackend):
         qd = (q if in_order else q[g.rows[:, 0]]).contiguous()           # (Bg, Hq, D): one layout, one graph
         self.fused_calls += 1
         return self.run_compiled(fused_decode_attention, decode_attention_gathered,
-                                 qd, self.kv.k[layer], self.kv.v[layer], g.tables, g.seq_lens)   # (Bg, Hq, D)
+                                 qd, self.kv.k[layer], self.kv.v[layer], g.tables, g.seq_lens, self.window)   # (Bg, Hq, D)
 
 
 class TritonBackend(TorchBackend):
@@ -236,11 +240,14 @@ def choose_backend(kv, triton: bool) -> str:
     return "triton" if triton or kv.k.device.type == "cuda" else "cpu-fused"
 
 
-def make_backend(name: str, kv, prefill: str = "sdpa", run_compiled=None) -> TorchBackend:
+def make_backend(name: str, kv, prefill: str = "sdpa", run_compiled=None, window: int | None = None) -> TorchBackend:
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not supported; allowed: {', '.join(map(repr, BACKENDS))}")
+    if name == "triton" and window is not None:
+        raise ValueError("the 'triton' paged decode kernel has no sliding window; a windowed model (Mistral) "
+                         "runs on the CPU backends ('cpu-fused', 'torch')")
     if name == "triton" and kv.quantized:
         raise ValueError("the 'triton' attention backend reads the cache in the model's dtype; an int8/fp8 "
                          "KV cache needs 'torch' (its gather dequantises)")
     cls = {"torch": TorchBackend, "cpu-fused": CpuFusedBackend, "triton": TritonBackend}[name]
-    return cls(kv, prefill, run_compiled)
+    return cls(kv, prefill, run_compiled, window)

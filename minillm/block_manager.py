@@ -42,6 +42,7 @@ that only touch the table take its request_id.
     bm.truncate(req, num_tokens)        # speculative rollback: drop uncomputed tail slots, free emptied blocks
     bm.fork(parent_id, child_id)        # the child shares all the parent's blocks (n > 1 sampling)
     bm.free(request_id)                 # finished or preempted: blocks back to the pool, tail first
+    bm.free_outside_window(req)         # a sliding-window model: blocks no future query can see go back
     bm.block_table(request_id) -> [block]
     bm.num_slots(request_id) -> int     # token positions the table covers
     bm.num_free_blocks
@@ -55,7 +56,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from minillm.prefix_cache import PrefixCache
+from minillm.prefix_cache import DROPPED, PrefixCache
 from minillm.radix_cache import RadixCache
 from minillm.request import Request
 
@@ -146,23 +147,30 @@ class BlockPool:
 class _BlockTable:
     """What the block manager owns of one request; its tokens and computed count stay on the Request."""
     blocks: list[int]                                  # physical blocks: position p is in blocks[p // block_size]
+                                                       # (DROPPED: outside the sliding window, given back)
     num_slots: int                                     # token positions the blocks are reserved for
     num_registered: int = 0                            # leading blocks inserted into the prefix cache
     cache_state: object = None                         # what the index's last insert returned
+    num_dropped: int = 0                               # leading entries that are DROPPED
 
 
 class BlockManager:
     """Block tables of every live request over one BlockPool (see the module docstring)."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False,
-                 prefix_cache: str = "hash"):
+                 prefix_cache: str = "hash", sliding_window: int | None = None):
+        """sliding_window: the model's (Mistral): a query at position p sees keys p - W + 1 .. p, so a
+        block wholly before the next query's window is given back (free_outside_window)."""
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         check_prefix_cache(prefix_cache, enable_prefix_caching)
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.prefix_cache = PREFIX_CACHES[prefix_cache]() if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self.prefix_cache)
         self._tables: dict[str, _BlockTable] = {}       # request_id -> its table
@@ -177,7 +185,9 @@ class BlockManager:
         return list(self._tables)
 
     def block_table(self, request_id: str) -> list[int]:
-        return list(self._get(request_id).blocks)
+        """The request's physical blocks by position; a dropped entry (outside the sliding window) reads as
+        block 0, which attention masks out with the window."""
+        return [max(block, 0) for block in self._get(request_id).blocks]
 
     def num_slots(self, request_id: str) -> int:
         return self._get(request_id).num_slots
@@ -189,6 +199,8 @@ class BlockManager:
             raise ValueError(f"need 0 <= start <= end <= num_slots={table.num_slots}, "
                              f"got start={start}, end={end}")
         bs = self.block_size
+        if start < table.num_dropped * bs:
+            raise ValueError(f"position {start} of request_id {request_id!r} fell out of the sliding window")
         return [table.blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
     # --- admission ----------------------------------------------------------------------
@@ -212,10 +224,11 @@ class BlockManager:
         hits = self._match(token_ids) if use_prefix_cache else []
         if self._blocks_to_allocate(len(token_ids), hits) > self.num_free_blocks:
             raise OutOfBlocks(f"request_id {req.request_id!r} needs more blocks than are free")
-        for block in hits:                         # first, so that allocate() cannot evict them
+        dropped = hits.count(DROPPED)              # a windowed hit: leading positions no query will see
+        for block in hits[dropped:]:               # first, so that allocate() cannot evict them
             self.pool.acquire(block)
         fresh = [self.pool.allocate() for _ in range(self._num_blocks_for(len(token_ids)) - len(hits))]
-        self._tables[req.request_id] = _BlockTable(hits + fresh, len(token_ids), len(hits))
+        self._tables[req.request_id] = _BlockTable(hits + fresh, len(token_ids), len(hits), num_dropped=dropped)
         return len(hits) * self.block_size
 
     # --- growth -------------------------------------------------------------------------
@@ -297,16 +310,29 @@ class BlockManager:
         if child_id in self._tables:
             raise ValueError(f"child_id {child_id!r} is already allocated")
         parent = self._get(parent_id)
-        for block in parent.blocks:
+        for block in parent.blocks[parent.num_dropped:]:
             self.pool.acquire(block)
         self._tables[child_id] = _BlockTable(list(parent.blocks), parent.num_slots,
-                                             parent.num_registered, parent.cache_state)
+                                             parent.num_registered, parent.cache_state, parent.num_dropped)
+
+    def free_outside_window(self, req: Request) -> None:
+        """With a sliding window W: the next query, at position req.num_computed_tokens, and every later
+        one see keys from num_computed_tokens - W + 1 on, so the blocks wholly before that go back to the
+        pool (a no-op without a window). With prefix caching a registered block stays findable."""
+        if self.sliding_window is None:
+            return
+        table = self._get(req.request_id)
+        first_seen = max(0, req.num_computed_tokens - self.sliding_window + 1)
+        for i in range(table.num_dropped, min(first_seen // self.block_size, len(table.blocks))):
+            self.pool.release(table.blocks[i])
+            table.blocks[i] = DROPPED
+            table.num_dropped = i + 1
 
     def free(self, request_id: str) -> None:
         """Release a finished or preempted request's blocks, last block first, so that with
         prefix caching the tails of prefixes are evicted before their heads."""
         table = self._get(request_id)
-        for block in reversed(table.blocks):
+        for block in reversed(table.blocks[table.num_dropped:]):
             self.pool.release(block)
         del self._tables[request_id]
 
@@ -329,12 +355,16 @@ class BlockManager:
     def _match(self, token_ids: list[int]) -> list[int]:
         if self.prefix_cache is None:
             return []
+        if self.sliding_window is not None and isinstance(self.prefix_cache, PrefixCache):
+            return self.prefix_cache.match_window(token_ids, self.block_size, self.sliding_window)
+        # the radix tree evicts leaves first: a path's later blocks never outlive its earlier ones, and
+        # the early blocks of a hit go back after the request's first step (free_outside_window)
         return self.prefix_cache.match(token_ids, self.block_size)
 
     def _blocks_to_allocate(self, num_tokens: int, hits: list[int]) -> int:
         """Free blocks an allocation consumes: new blocks, plus hits that are now evictable
         (reviving one takes it out of the free count)."""
-        revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
+        revived = sum(1 for b in hits if b != DROPPED and self.pool.ref_counts[b] == 0)
         return self._num_blocks_for(num_tokens) - len(hits) + revived
 
     def _append_cost(self, table: _BlockTable, num_computed: int, num_tokens: int) -> tuple[int, list[int]]:

@@ -210,8 +210,12 @@ def resolve_num_kv_blocks(config: EngineConfig, model_cfg, dtype) -> int:
 
 
 def check_model(config: EngineConfig, model_cfg) -> None:
-    """The one rule that needs the loaded model: max_model_len within its context."""
+    """The rules that need the loaded model: max_model_len within its context; a sliding-window model
+    (Mistral) only where attention applies the window."""
     limit = model_cfg.max_seq_len
     if config.scheduler.max_model_len > limit:
         raise ValueError(f"max_model_len = {config.scheduler.max_model_len} exceeds the model's context of "
                          f"{limit} tokens; allowed: 2..{limit}")
+    if model_cfg.sliding_window is not None and config.run.attention_backend == "flash":
+        raise ValueError(f"attention_backend = 'flash' has no sliding window, and this model attends to the last "
+                         f"{model_cfg.sliding_window} tokens only; allowed here: 'sdpa', 'naive'")

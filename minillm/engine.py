@@ -62,7 +62,7 @@ class Engine:
         self.llm = llm
         self.output_processor = llm.output_processor
         self.block_manager = BlockManager(num_kv_blocks, cache.block_size, cache.enable_prefix_caching,
-                                          cache.prefix_cache)
+                                          cache.prefix_cache, cfg.sliding_window)
         self.scheduler = Scheduler(self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    sched.enable_chunked_prefill)
         if getattr(llm, "parallel", None) is None:
@@ -139,7 +139,8 @@ class Engine:
             rows = n if want == "all" else int(want == "last")
             spans.append((row, row + rows))
             row += rows
-        return build_batch(runs, wants, bm.block_size, self.kv.k.device, self.decode_group_cost), wants, spans
+        return (build_batch(runs, wants, bm.block_size, self.kv.k.device, self.decode_group_cost,
+                            self.llm.config.sliding_window), wants, spans)
 
     def _verify(self, plan, spans, logits, log) -> tuple[dict, list]:
         """NEW: speculative, 3. verify and 4. roll back. -> {id(req): (the target's own token, its

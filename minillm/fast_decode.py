@@ -315,6 +315,9 @@ class FastDecoder:
         attention_backend: how a step with T > 1 attends (model.ATTENTION_BACKENDS); a decode step is one
         query row and always uses torch's fused SDPA."""
         check_attention_backend(attention_backend)
+        if model.cfg.sliding_window is not None:
+            raise ValueError("a sliding-window model (Mistral) runs on the engine (LLM); lesson 02's batch-1 stage "
+                             "and its contiguous cache predate windows")
         device = model.embed.weight.device
         on_cpu = device.type == "cpu"
         self.model, self.attention_backend = model, attention_backend

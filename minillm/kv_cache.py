@@ -84,6 +84,9 @@ def forward_cached(model: Llama, tokens: torch.Tensor, cache: KVCache, num_new: 
     """
     B, T = tokens.shape
     cfg = model.cfg
+    if cfg.sliding_window is not None:
+        raise ValueError("a sliding-window model (Mistral) runs on the engine (LLM); this contiguous cache is "
+                         "the teaching stage before windows")
     if num_new is None:
         num_new = torch.full((B,), T, dtype=torch.long, device=tokens.device)
     if cache.k.shape[2] != cfg.n_kv_heads or cache.k.shape[0] != cfg.n_layers:

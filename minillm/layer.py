@@ -122,18 +122,19 @@ def decoder_layer(h: torch.Tensor, weights: tuple, rope, attention, n_heads: int
 def paged_decode_layer(h: torch.Tensor, weights: tuple, cos: torch.Tensor, sin: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                       n_heads: int, n_kv_heads: int, eps: float) -> torch.Tensor:
+                       n_heads: int, n_kv_heads: int, eps: float, window: int | None = None) -> torch.Tensor:
     """decoder_layer for a step whose every row is one decode token, with RoPE by cos, sin (N, 1, D/2)
     and its attention spelled out
     for torch.compile: each row's k, v written at its slot, then decode attention over the row's
     blocks read in place (paged_attention.decode_attention_fused). k_cache, v_cache (num_blocks,
-    block_size, Hkv, D): this layer's cache; slots (N,), block_tables (N, n), seq_lens (N,) int64."""
+    block_size, Hkv, D): this layer's cache; slots (N,), block_tables (N, n), seq_lens (N,) int64;
+    window: the model's sliding window (None: full attention)."""
     from .paged_attention import decode_attention_fused
 
     def attention(q, k, v):
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))   # (blocks*bs, Hkv, D)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
-        return decode_attention_fused(q.contiguous(), k_cache, v_cache, block_tables, seq_lens)
+        return decode_attention_fused(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, window)
 
     return decoder_layer(h, weights, lambda x: apply_rope(x, cos, sin), attention, n_heads, n_kv_heads, eps)
 

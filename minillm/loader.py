@@ -163,8 +163,10 @@ def config_from_gguf(meta: dict, tensor_names) -> ModelConfig:
         problems.append(f"rope.dimension_count={meta[f'{arch}.rope.dimension_count']} < head_dim={head_dim} "
                         "(RoPE on part of each head)")
     window = meta.get(f"{arch}.attention.sliding_window")
-    if window is not None and window < context:
-        problems.append(f"attention.sliding_window={window} (sliding-window attention)")
+    window = window if window is not None and window < context else None
+    if window is not None and arch != "llama":
+        problems.append(f"attention.sliding_window={window} on a {arch} file (minillm implements one window for "
+                        "every layer, Mistral's)")
     if meta.get(f"{arch}.attn_logit_softcapping") or meta.get(f"{arch}.final_logit_softcapping"):
         problems.append("logit soft-capping")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
@@ -188,6 +190,7 @@ def config_from_gguf(meta: dict, tensor_names) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         rope_scaling={"rope_type": "linear", "factor": meta[f"{arch}.rope.scaling.factor"]} if scaling == "linear"
         else None,
+        sliding_window=window,
     )
 
 
@@ -280,10 +283,9 @@ def refuse_unsupported_hf_fields(cfg: dict, family: str) -> None:
         problems.append("attention_bias=true (biases on q, k, v and o)")
     if cfg.get("mlp_bias", False):
         problems.append("mlp_bias=true")
-    window = cfg.get("sliding_window", defaults["sliding_window"])
-    uses_window = cfg.get("use_sliding_window", family == "mistral") or "sliding_attention" in (cfg.get("layer_types") or [])
-    if uses_window and window is not None and window < cfg.get("max_position_embeddings", 2048):
-        problems.append(f"sliding_window={window} (sliding-window attention)")
+    if family != "mistral" and hf_sliding_window(cfg, family) is not None:
+        problems.append(f"sliding_window={cfg['sliding_window']} on some layers (sliding-window attention: minillm "
+                        "implements one window for every layer, Mistral's)")
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
         problems.append(f"partial_rotary_factor={cfg['partial_rotary_factor']} (RoPE on part of each head)")
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -291,6 +293,14 @@ def refuse_unsupported_hf_fields(cfg: dict, family: str) -> None:
             problems.append(f"{name}={cfg[name]} (logit soft-capping)")
     if problems:
         raise ValueError(f"this {family} config.json asks for what minillm does not implement: {'; '.join(problems)}")
+
+
+def hf_sliding_window(cfg: dict, family: str) -> int | None:
+    """The window a config.json asks for, None where attention is full (no window, or one that never
+    binds: at least max_position_embeddings)."""
+    window = cfg.get("sliding_window", HF_FAMILIES[family]["sliding_window"])
+    uses = cfg.get("use_sliding_window", family == "mistral") or "sliding_attention" in (cfg.get("layer_types") or [])
+    return window if uses and window is not None and window < cfg.get("max_position_embeddings", 2048) else None
 
 
 def config_from_hf(cfg: dict) -> ModelConfig:
@@ -307,7 +317,7 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         max_seq_len=cfg.get("max_position_embeddings", 2048),
         tie_embeddings=cfg.get("tie_word_embeddings", False),
         qkv_bias=HF_FAMILIES[family]["qkv_bias"], qk_norm=HF_FAMILIES[family]["qk_norm"],
-        rope_scaling=hf_rope_scaling(cfg),
+        rope_scaling=hf_rope_scaling(cfg), sliding_window=hf_sliding_window(cfg, family),
     )
 
 

@@ -36,11 +36,14 @@ class ModelConfig:
     tie_embeddings: bool = True
     qkv_bias: bool = False     # Qwen2 has biases on q, k, v
     qk_norm: bool = False      # Qwen3: RMSNorm over each head of q and k, before RoPE
+    sliding_window: int | None = None   # Mistral: each token attends to the last this many (itself included)
     rope_scaling: dict | None = None   # a longer context than trained for (positions.scale_frequencies)
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window = {self.sliding_window!r}; allowed: None or an integer >= 1")
         if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ROPE_SCALINGS:
             raise ValueError(f"RoPE scaling {self.rope_scaling.get('rope_type')!r} is not supported; "
                              f"allowed: None, {', '.join(map(repr, ROPE_SCALINGS))}")
@@ -77,29 +80,32 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def naive_attention_fp32(q, k, v, causal: bool = True):
+def naive_attention_fp32(q, k, v, causal: bool = True, window: int | None = None):
     """softmax(q k^T / sqrt(d)) v with the (T, S) score matrix materialised, computed in fp32
     whatever q's dtype (the definition of right), returned in q's dtype.
     q: (B, Hq, T, hd); k, v: (B, Hkv, S, hd). With S > T the queries are the last T positions.
+    window: each query sees only the last `window` keys up to itself (positions.causal_mask).
     (flash_attention.naive_attention_in_dtype is the same math in q's own dtype.)"""
     n_rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(n_rep, dim=1)                    # (B, Hq, S, hd): copies for GQA
     v = v.repeat_interleave(n_rep, dim=1)                    # (B, Hq, S, hd)
     scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, Hq, T, S)
     if causal:
-        mask = causal_mask(*scores.shape[-2:], device=q.device)   # (T, S)
+        mask = causal_mask(*scores.shape[-2:], device=q.device, window=window)   # (T, S)
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = scores.softmax(dim=-1)                           # (B, Hq, T, S)
     return (probs @ v.float()).type_as(q)                    # (B, Hq, T, hd)
 
 
-def sdpa_attention(q, k, v, causal: bool = True):
+def sdpa_attention(q, k, v, causal: bool = True, window: int | None = None):
     """The same attention by torch's fused F.scaled_dot_product_attention (GQA without copying
     K/V). Its is_causal aligns the mask top-left, so queries after a cached prefix (1 < T < S)
-    get the explicit causal_mask; one query row sees every key and needs none."""
+    get the explicit causal_mask; one query row sees every key and needs none (unless a sliding
+    window hides the oldest)."""
     T, S = q.shape[-2], k.shape[-2]
-    mask = causal_mask(T, S, q.device) if causal and 1 < T < S else None    # (T, S) or None
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and 1 < T == S,
+    windowed = causal and window is not None and window < S
+    mask = causal_mask(T, S, q.device, window) if causal and (1 < T < S or windowed) else None   # (T, S) or None
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and 1 < T == S and mask is None,
                                           enable_gqa=True)                  # (B, Hq, T, hd)
 
 
@@ -125,7 +131,13 @@ def attention_function(backend: str):
     if backend == "sdpa":
         return sdpa_attention
     from .flash_attention import flash_attention
-    return flash_attention
+
+    def flash(q, k, v, causal: bool = True, window: int | None = None):
+        if window is not None:
+            raise ValueError("attention_backend='flash' has no sliding window; a windowed model (Mistral) "
+                             "runs with 'sdpa' or 'naive'")
+        return flash_attention(q, k, v, causal)
+    return flash
 
 
 class Attention(nn.Module):
@@ -136,6 +148,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.window = cfg.sliding_window
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
@@ -153,7 +166,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, attend=naive_attention_fp32):  # x: (B, T, dim)
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
-        out = attend(q, k, v, causal=True)                   # (B, Hq, T, hd)
+        out = attend(q, k, v, causal=True, window=self.window)   # (B, Hq, T, hd)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -160,13 +160,16 @@ class PagedBatch:
     decode_groups: list            # [DecodeGroup], for the CPU path
     prefills: list                 # [attention.Run] with blocks (1, n) int32: runs attended one by one
     grouped_runs: list             # [attention.Run] runs of T > 1 inside decode_groups (speculative drafts)
+    window: int | None = None      # the sliding window the decode groups' masks apply (None: full attention)
 
 
 def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_logits: list[str],
-                block_size: int, device, group_cost: int | None = GROUP_COST_BLOCKS) -> PagedBatch:
+                block_size: int, device, group_cost: int | None = GROUP_COST_BLOCKS,
+                window: int | None = None) -> PagedBatch:
     """runs: per request (new token ids, start position, block table, slots of the new tokens).
     want_logits per run: "last" (the last row), "all" (every row) or "none".
-    group_cost None: no decode groups (the GPU kernel handles every length in one launch)."""
+    group_cost None: no decode groups (the GPU kernel handles every length in one launch).
+    window: the model's sliding window, which the decode groups' masks apply."""
     tokens, positions, slots, logits_rows = [], [], [], []
     dec_rows, dec_lens, dec_tables, prefills = [], [], [], []
     short = []                                       # (row, T, start, table): runs for the CPU groups
@@ -193,18 +196,19 @@ def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_lo
     groups = []
     if short:
         for members in group_by_length([len(short[i].table) for i in range(len(short))], group_cost):
-            groups.append(_decode_group([short[i] for i in members], block_size, device))
+            groups.append(_decode_group([short[i] for i in members], block_size, device, window))
     as_long = dict(dtype=torch.long, device=device)
     return PagedBatch(torch.tensor(tokens, **as_long), torch.tensor(positions, **as_long),
                       torch.tensor(slots, **as_long), torch.tensor(logits_rows, **as_long),
                       torch.tensor(dec_rows, **as_long), block_table_tensor(dec_tables, device),
                       torch.tensor(dec_lens, dtype=torch.int32, device=device), groups, prefills,
-                      [r for r in short if r.length > 1])
+                      [r for r in short if r.length > 1], window)
 
 
-def _decode_group(members: list[Run], block_size: int, device) -> DecodeGroup:
+def _decode_group(members: list[Run], block_size: int, device, window: int | None = None) -> DecodeGroup:
     """members: the runs of the group's requests. Query t of a request sees its keys 0..start + t
-    (causal within its own new tokens); padded query rows see key 0 only. Built from Python lists,
+    (causal within its own new tokens; with a sliding window, only the last `window` of them);
+    padded query rows see key 0 only (or their first visible key). Built from Python lists,
     a handful of tensors: at batch 1 this runs every decode step."""
     Tq = max(r.length for r in members)
     tables = block_table_tensor([r.table for r in members]).long()                # (Bg, n)
@@ -215,6 +219,8 @@ def _decode_group(members: list[Run], block_size: int, device) -> DecodeGroup:
                             for r in members])                                    # (Bg, Tq) last key seen
     keys = torch.arange(tables.shape[1] * block_size)                             # (n * bs,)
     mask = keys[None, None, :] <= visible[:, :, None]                             # (Bg, Tq, n * bs)
+    if window is not None:
+        mask &= keys[None, None, :] > visible[:, :, None] - window
     seq_lens = torch.tensor([r.start + r.length for r in members])                # (Bg,)
     return DecodeGroup(torch.tensor(rows, device=device), torch.tensor(real, device=device), tables.to(device),
                        mask[:, None].to(device), seq_lens.to(device))
@@ -274,7 +280,8 @@ class ModelRunner:
         self.graphs = None                      # NEW: CUDA graphs; a cuda_graphs.DecodeGraphs set by the engine
         self.compiled_decode_steps = 0          # tests prove the compiled decode step ran
         self.compile_failed: str | None = None  # why torch.compile could not build here: eager from then on
-        self.attention = make_backend(choose_backend(kv, triton_on_cpu), kv, attention_backend, self._run)
+        self.window = model.cfg.sliding_window  # each row sees its last `window` keys (Mistral); None: all
+        self.attention = make_backend(choose_backend(kv, triton_on_cpu), kv, attention_backend, self._run, self.window)
         self.prepacking = prepack_rows is not None and self.fused and kv.k.device.type == "cpu"
         if self.prepacking:                     # the build's one GEMM timing step (or the recorded defaults)
             self.gemm_libraries = prepacked.choose_libraries(self._prepackable_weights(), prepack_rows, tune_kernels)
@@ -351,7 +358,7 @@ class ModelRunner:
         first, then `rounds` alternating rounds of a whole step (all layers: the weights stream from
         memory as they do in use; one layer alone sits in the cache, where the builds tie)."""
         device = self.kv.k.device
-        batch = build_batch([([0], 0, [0], [0])], ["last"], self.kv.block_size, device)
+        batch = build_batch([([0], 0, [0], [0])], ["last"], self.kv.block_size, device, window=self.window)
         totals = dict.fromkeys(DECODE_BUILDS, 0.0)
         for name in DECODE_BUILDS:
             self._forward_compiled(batch, name)                          # compiles
@@ -437,7 +444,8 @@ class ModelRunner:
         compiled = DECODE_BUILDS[build]
         for i, weights in enumerate(self.decode_weights):
             h = self._run(compiled, paged_decode_layer, h, weights, cos, sin, k_caches[i], v_caches[i],
-                          batch.slot_mapping, tables, group.seq_lens, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps)
+                          batch.slot_mapping, tables, group.seq_lens, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps,
+                          self.window)
         self.compiled_decode_steps += 1
         if self.model.lm_head is not None:                               # an untied or quantised head
             return self.model.logits(h)                                  # (1, V)

@@ -116,7 +116,7 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.
 
 
 def decode_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """Decode attention over a paged cache, written for torch.compile on CPU (the engine compiles it).
 
     q (B, Hq, D): one new token per sequence; k_cache, v_cache (num_blocks, block_size, Hkv, D);
@@ -125,7 +125,9 @@ def decode_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     p.V are written as indexing, broadcast products and sums, so that Inductor fuses them into loops
     that read each sequence's blocks from the cache once: no gathered copy of K/V, no fp32 copy
     (what the gather-then-SDPA path pays every layer). The query heads of one KV head are its G
-    rows (GQA without repeating K/V). Run eagerly it would materialise a (B, Hkv, G, L, D) product:
+    rows (GQA without repeating K/V). window: each row sees only its last `window` keys (Mistral; the
+    blocks before them may have been freed: their table entries are masked). Run eagerly it would
+    materialise a (B, Hkv, G, L, D) product:
     compiled use only (the runner falls back to gather + SDPA where compiling fails).
     """
     B, Hq, D = q.shape
@@ -135,7 +137,10 @@ def decode_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     values = v_cache[block_tables].view(B, L, Hkv, D).permute(0, 2, 1, 3).float()
     qg = q.view(B, Hkv, G, D).float() * D ** -0.5                                         # (B, Hkv, G, D)
     scores = (qg[:, :, :, None, :] * keys[:, :, None]).sum(-1)                          # (B, Hkv, G, L)
-    past = torch.arange(L, device=q.device) >= seq_lens[:, None, None, None]             # (B, 1, 1, L)
+    key_pos = torch.arange(L, device=q.device)
+    past = key_pos >= seq_lens[:, None, None, None]                                      # (B, 1, 1, L)
+    if window is not None:                                   # a sliding window: only the last `window` keys
+        past = past | (key_pos < seq_lens[:, None, None, None] - window)
     weights = torch.softmax(scores.masked_fill(past, float("-inf")), dim=-1)            # (B, Hkv, G, L)
     values = values.masked_fill(past.transpose(-1, -2), 0.0)                             # stale inf/nan * 0 would be nan
     out = (weights[..., None] * values[:, :, None]).sum(-2)                              # (B, Hkv, G, D)

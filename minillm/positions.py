@@ -16,7 +16,8 @@ positions only through their difference. Interleaved pairs are how GGUF stores t
     (even + i*odd) * (cos + i*sin) = (even*cos - odd*sin) + i*(even*sin + odd*cos)
 
 causal_mask(T, S): the T new queries are the last T of S positions (a prefill after S - T cached
-tokens), and query t, at position S - T + t, sees keys 0 .. S - T + t.
+tokens), and query t, at position S - T + t, sees keys 0 .. S - T + t (with a sliding window of W,
+the last W of them).
 """
 from __future__ import annotations
 
@@ -93,8 +94,10 @@ def apply_rope_complex(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
 
-def causal_mask(num_queries: int, num_keys: int, device=None) -> torch.Tensor:
+def causal_mask(num_queries: int, num_keys: int, device=None, window: int | None = None) -> torch.Tensor:
     """(T, S) bool, True where query t may attend to key s: the T queries are the last T of the
-    S positions, so query t sees keys 0 .. S - T + t."""
+    S positions, so query t sees keys 0 .. S - T + t; with a sliding window of W (Mistral), only
+    the last W of them: keys S - T + t - W + 1 .. S - T + t."""
     T, S = num_queries, num_keys
-    return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
+    mask = torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
+    return mask if window is None else mask.triu(diagonal=S - T - window + 1)

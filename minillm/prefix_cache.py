@@ -33,6 +33,7 @@ from collections import OrderedDict
 from typing import Sequence
 
 ROOT_HASH = 0          # the parent hash of the first block of every sequence
+DROPPED = -1           # a hit (and block-table) entry outside a sliding window: computed, but no block held
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
@@ -100,6 +101,25 @@ class PrefixCache:
             parent = block_hash
         return blocks
         # END SOLUTION
+
+    def match_window(self, token_ids: Sequence[int], block_size: int, window: int) -> list[int]:
+        """match() for a sliding-window model of window W. The token after a prefix of L blocks sees only
+        the keys of its last W positions, so only the blocks holding those must be cached; the ones
+        before come back as DROPPED. The chain's names are computed from the tokens, so a missing early
+        block does not end the walk: without this, a windowed model's hits fall to nothing once the
+        early blocks, given back first as the window slid, are evicted first."""
+        max_blocks = (len(token_ids) - 1) // block_size
+        found, parent = [], ROOT_HASH
+        for i, block_hash in enumerate(chain_hashes(token_ids[:max_blocks * block_size], block_size)):
+            block = self._block_of.get(block_hash)
+            tokens = tuple(token_ids[i * block_size:(i + 1) * block_size])
+            found.append(block if block is not None and self._entry[block][1:] == (parent, tokens) else None)
+            parent = block_hash
+        for num_blocks in range(len(found), 0, -1):           # the longest prefix whose window is cached
+            first = max(0, num_blocks * block_size - window + 1) // block_size
+            if None not in found[first:num_blocks]:
+                return [DROPPED] * first + found[first:num_blocks]
+        return []
 
     def is_cached(self, block: int) -> bool:
         return block in self._entry

@@ -378,7 +378,7 @@ QWEN3_8B = ModelConfig(vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_k
                        ffn_dim=12288, rope_theta=1000000.0, max_seq_len=32768, tie_embeddings=False, qk_norm=True)
 MISTRAL_7B = ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
                          ffn_dim=14336, rope_theta=10000.0, max_seq_len=8192, tie_embeddings=False)
-MISTRAL_7B_WINDOW = 4096        # tokens each layer attends back (the paper's W); minillm refuses windowed models
+MISTRAL_7B_WINDOW = 4096        # tokens each layer attends back (the paper's W)
 
 
 def windowed_kv_bytes(cfg: ModelConfig, bytes_per_value: float, tokens: int, window: int | None) -> float:

@@ -148,6 +148,7 @@ class Scheduler:
         for req, n in zip(out.requests, out.num_new_tokens):
             req.num_computed_tokens += n
             self.block_manager.cache_blocks(req)           # its newly full blocks become findable
+            self.block_manager.free_outside_window(req)    # a sliding window: blocks no query will see go back
             if req.num_computed_tokens == req.num_tokens:
                 sample.append(req)
         return sample

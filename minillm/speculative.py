@@ -297,7 +297,8 @@ class DraftPool:
         self.take(blocks, end)
         bs = self.block_size
         slots = [blocks[p // bs] * bs + p % bs for p in range(start, end)]
-        batch = build_batch([(tokens, start, blocks, slots)], ["last"], bs, self.runner.kv.k.device, self.group_cost)
+        batch = build_batch([(tokens, start, blocks, slots)], ["last"], bs, self.runner.kv.k.device, self.group_cost,
+                            self.runner.window)
         return self.runner.forward(batch)[0]                           # (V,)
 
 

@@ -4,7 +4,8 @@ model made from the family's own config class (no download), saved as an HF fold
     llama        Llama-2 / SmolLM2: the layer every other family changes
     llama3       Llama-3.1 / 3.2's "llama3" RoPE scaling (frequencies below a band divided by `factor`)
     llama-tied   tied embeddings (Llama-3.2-1B / 3B)
-    mistral      Mistral without a sliding window (v0.3 and later)
+    mistral      Mistral without a sliding window (v0.3 and later), and with one (v0.1: each token attends
+                 to the last W; the engine gives back the blocks that fall out of every window)
     qwen2        biases on q, k and v
     qwen3        RMSNorm on each head of q and k, head_dim decoupled from hidden / heads
 """
@@ -22,6 +23,7 @@ from minillm.positions import rope_frequencies
 
 transformers = pytest.importorskip("transformers")
 
+WINDOW = 32                 # Mistral-7B v0.1's 4,096 scaled down: prompts of 300 tokens slide past it
 COMMON = dict(vocab_size=256, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
               num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -31,6 +33,7 @@ FAMILIES = {
     "llama3": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_parameters=LLAMA3_ROPE)),
     "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=True)),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
+    "mistral-window": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=WINDOW)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
 }
@@ -96,6 +99,7 @@ def test_what_each_family_changes_is_read_from_its_config(folders):
     assert cfgs["llama3"].rope_scaling == {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
     assert cfgs["llama-tied"].tie_embeddings and not cfgs["llama"].tie_embeddings
     assert all(c.rope_scaling is None for f, c in cfgs.items() if f != "llama3")
+    assert cfgs["mistral-window"].sliding_window == WINDOW and cfgs["mistral"].sliding_window is None
 
 
 def test_llama3_scaling_changes_only_the_low_frequencies():
@@ -111,7 +115,7 @@ def test_llama3_scaling_changes_only_the_low_frequencies():
     assert middle.any() and ((scaled[middle] < base[middle]) & (scaled[middle] > base[middle] / 8)).all()
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "llama-tied", "llama3", "qwen2", "qwen3", "mistral", "mistral-window"])
 def test_engine_greedy_tokens_equal_transformers(folders, family):
     """Batched, then chunked prefill + prefix caching + preemption on a tiny pool: the same tokens
     as transformers' own greedy loop."""
@@ -137,7 +141,7 @@ def test_engine_greedy_tokens_equal_transformers(folders, family):
         assert llm.engine.block_manager.num_free_blocks == 24                 # nothing leaked
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "mistral-window"])
 def test_engine_with_tensor_parallel_2_equals_transformers(folders, family):
     folder, hf = folders[family]
     prompts = [prompt(6, seed=1), prompt(31, seed=2)]
@@ -158,8 +162,8 @@ def test_lesson_02_stage_runs_a_qk_norm_model_on_the_baseline(folders):
 
 # ---- GGUF: the same weights written with the gguf package -----------------------------------------
 
-GGUF_ARCH = {"llama": "llama", "llama3": "llama", "llama-tied": "llama", "mistral": "llama", "qwen2": "qwen2",
-             "qwen3": "qwen3"}
+GGUF_ARCH = {"llama": "llama", "llama3": "llama", "llama-tied": "llama", "mistral": "llama", "mistral-window": "llama",
+             "qwen2": "qwen2", "qwen3": "qwen3"}
 GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
               "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
@@ -187,6 +191,8 @@ def write_gguf(path, family: str, hf, tokens: list[str], merges: list[str], **ex
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    if getattr(c, "sliding_window", None) is not None:
+        writer.add_sliding_window(c.sliding_window)
     for key, value in extra_meta.items():
         getattr(writer, f"add_{key}")(value)
     writer.add_tokenizer_model("gpt2")
@@ -251,7 +257,6 @@ def test_gguf_of_the_same_weights_loads_to_the_same_logits(tmp_path, folders, vo
 # ---- nothing silently wrong: what the forward does not implement is refused by name ------------------
 
 @pytest.mark.parametrize("family, overrides, named", [
-    ("mistral", dict(sliding_window=32), "sliding_window=32"),
     ("qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0), "sliding_window=64"),
     ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                     "original_max_position_embeddings": 128}), "'yarn'"),
@@ -292,10 +297,10 @@ def test_an_unsupported_architecture_names_the_supported_ones(tmp_path, folders)
         load_model(tmp_path, dtype="float32", device="cpu")
 
 
-def test_a_gguf_with_a_sliding_window_is_refused(tmp_path, folders, vocab):
-    _, hf = folders["mistral"]
+def test_a_qwen_gguf_with_a_sliding_window_is_refused(tmp_path, folders, vocab):
+    _, hf = folders["qwen2"]
     path = tmp_path / "windowed.gguf"
-    write_gguf(path, "mistral", hf, *vocab, sliding_window=64)
+    write_gguf(path, "qwen2", hf, *vocab, sliding_window=64)
     with pytest.raises(ValueError, match="sliding_window=64"):
         load_model(path, dtype="float32", device="cpu")
 
@@ -328,3 +333,68 @@ def test_a_hub_id_not_in_the_cache_fails_at_once_saying_where_it_looked(tmp_path
     with pytest.raises(ValueError, match="not in the local Hugging Face cache.*models--Qwen--Qwen2.5-7B-Instruct.*"
                                          "hf download Qwen/Qwen2.5-7B-Instruct"):
         LLM(model="Qwen/Qwen2.5-7B-Instruct", device="cpu")
+
+
+# ---- a sliding window in the paged engine ------------------------------------------------------------
+
+def test_sliding_window_gives_back_the_blocks_that_fall_out_of_it(folders):
+    """Mistral's window of W tokens: once decoding is past W, a request holds only the blocks of its last
+    W positions (plus the one being written), and the tokens stay equal to transformers; a second request
+    with the same prompt then hits the prefix cache, blocks outside its window included, equal again."""
+    folder, hf = folders["mistral-window"]
+    p, block_size, blocks = prompt(40, seed=11), 4, 64
+    expected = greedy_reference(hf, [p, p[:36] + prompt(4, seed=12)], 60)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    with LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=128, block_size=block_size,
+             num_kv_blocks=blocks, enable_prefix_caching=True, tune_kernels=False) as llm:
+        reqs = llm.make_requests([{"prompt_token_ids": p}], params)
+        llm.engine.run(reqs)
+        assert reqs[0].output_token_ids == expected[0]
+        held = [blocks - s["free_blocks"] for s in llm.engine.step_log if s["num_decodes"]]
+        assert max(held) <= WINDOW // block_size + 2 < (len(p) + 60) // block_size
+        again = llm.make_requests([{"prompt_token_ids": p[:36] + prompt(4, seed=12)}], params)
+        llm.engine.run(again)
+        assert again[0].num_cached_tokens == 36 and again[0].output_token_ids == expected[1]
+        assert llm.engine.block_manager.num_free_blocks == blocks
+
+
+def test_a_windowed_model_speculates_exactly_and_refuses_the_backends_without_a_window(folders):
+    """n-gram drafts verified as multi-token runs (the decode groups' masks carry the window)."""
+    folder, hf = folders["mistral-window"]
+    p = [5, 6, 7, 8, 9] * 8
+    expected = greedy_reference(hf, [p], 30)[0]
+    with LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=128, speculative_method="ngram",
+             num_speculative_tokens=3, speculative_policy="always", tune_kernels=False) as llm:
+        reqs = llm.make_requests([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        llm.engine.run(reqs)
+        assert reqs[0].output_token_ids == expected
+        assert sum(s["num_draft_tokens"] for s in llm.engine.step_log) > 0
+    with pytest.raises(ValueError, match="'flash' has no sliding window"):
+        LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=128, attention_backend="flash")
+    model, _ = load_model(folder, dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="runs on the engine"):
+        FastDecoder(model)
+
+
+def test_a_windowed_prefix_hit_survives_the_eviction_of_blocks_outside_the_window(folders):
+    """The pitfall of windowed models in a prefix cache: a request gives back its earliest blocks first (they
+    leave the window), so under memory pressure they are evicted first, and a hash walk from the first
+    block then finds nothing. The next token only needs the blocks of the last W positions: those are
+    matched, the ones before come back as dropped, and the tokens stay equal to transformers."""
+    folder, hf = folders["mistral-window"]
+    first, block_size, blocks = prompt(40, seed=13), 4, 48
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=128, block_size=block_size,
+             num_kv_blocks=blocks, enable_prefix_caching=True, tune_kernels=False) as llm:
+        a = llm.make_requests([{"prompt_token_ids": first}], params)
+        llm.engine.run(a)                                             # 79 tokens computed, early blocks given back
+        other = llm.make_requests([{"prompt_token_ids": prompt(100, seed=14)}], params)
+        llm.engine.run(other)                                         # needs the memory: evicts a's oldest blocks
+        later = first + a[0].output_token_ids + prompt(4, seed=15)    # continues a's whole conversation
+        bm = llm.engine.block_manager
+        assert bm.prefix_cache.match(later, block_size) == []         # the walk from block 0 finds nothing
+        b = llm.make_requests([{"prompt_token_ids": later}], params)
+        llm.engine.run(b)
+        assert b[0].num_cached_tokens == 76                        # a's 79 computed tokens, in whole blocks
+        assert b[0].output_token_ids == greedy_reference(hf, [later], 40)[0]
+        assert bm.num_free_blocks == blocks

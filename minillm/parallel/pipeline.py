@@ -120,8 +120,8 @@ def split_batch(batch: PagedBatch, num_micro: int, block_size: int) -> list[Page
         parts.append(current)
     on_gpu = batch.decode_rows.numel() > 0 and not batch.decode_groups   # the kernel takes all decode rows
     extra = {"group_cost": None} if on_gpu else {}
-    return [build_batch([r for r, _ in part], [w for _, w in part], block_size, batch.tokens.device, **extra)
-            for part in parts]
+    return [build_batch([r for r, _ in part], [w for _, w in part], block_size, batch.tokens.device,
+                        window=batch.window, **extra) for part in parts]
 
 
 def _runs_of(batch: PagedBatch, block_size: int):

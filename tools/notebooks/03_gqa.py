@@ -83,7 +83,8 @@ llm.model = base
 
 Llama, Mistral, Qwen2 and Qwen3 differ by a few config fields (lesson 03, "What changes between model families"):
 Qwen2 adds biases on q, k and v; Qwen3 normalises every head of q and k and sets head_dim apart from
-hidden / heads; Llama-3.1 rescales RoPE's low frequencies. Below, a tiny random-weight model of each family is made
+hidden / heads; Llama-3.1 rescales RoPE's low frequencies; Mistral-7B v0.1 attends within a sliding window (32
+tokens here, against prompts of 200). Below, a tiny random-weight model of each family is made
 with its own transformers config class, saved as an HF folder, loaded by minillm, and compared with transformers.
 """),
 ("code", r"""
@@ -99,6 +100,7 @@ families = {
                   dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
+    "mistral-w32": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=32)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
 }
@@ -117,15 +119,16 @@ for name, (config_class, model_class, extra) in families.items():
     c = ours.cfg
     with torch.no_grad():
         diff = (ours(ids) - hf(ids).logits).abs().max().item()
-    print(f"{name:10s} qkv_bias={c.qkv_bias!s:5s} qk_norm={c.qk_norm!s:5s} head_dim={c.head_dim} "
+    print(f"{name:11s} qkv_bias={c.qkv_bias!s:5s} qk_norm={c.qk_norm!s:5s} head_dim={c.head_dim} window={c.sliding_window} "
           f"rope_scaling={(c.rope_scaling or {}).get('rope_type')}: max |logit difference| vs transformers = {diff:.1e}")
 """),
 ("md", r"""
-A config asking for what the forward does not implement is refused by name, never ignored: Mistral-7B v0.1's
-4,096-token sliding window, for one.
+A config asking for what the forward does not implement is refused by name, never ignored: Qwen2's windows on
+some layers only (full attention on the others), for one.
 """),
 ("code", r"""
-hf = transformers.MistralForCausalLM(transformers.MistralConfig(**tiny, sliding_window=32)).eval()
+hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**tiny, use_sliding_window=True, sliding_window=32,
+                                                              max_window_layers=1)).eval()
 folder = tempfile.mkdtemp()
 hf.save_pretrained(folder)
 hf_tokenizer.save_pretrained(folder)
