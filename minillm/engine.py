@@ -168,7 +168,7 @@ class Engine:
         token; finished ones leave and free their blocks at once."""
         to_sample = set(map(id, self.scheduler.update(plan)))
         # greedy rows: one argmax over the whole (K, V) block, in fp32 (bf16 is slower on CPU), as
-        # max(-1).indices: the same first maximal index, and 2-3x faster than argmax(-1) on CPU;
+        # max(-1).indices: the same first maximal index, and faster than argmax(-1) on CPU;
         # guided rows must take the argmax of their masked logits: the output processor does it
         any_greedy = any(r.params.greedy and r.guide is None for r in plan.requests
                          if id(r) in to_sample and id(r) not in verified)

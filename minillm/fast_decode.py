@@ -47,13 +47,13 @@ is overhead: one kernel launch + Python dispatch per small op, per layer. What t
      speculative decoding in ONE forward that returns the logits of ALL T = k + 1 positions, each
      layer ONE compiled call (`verify_layer`; T, the position and the cache length symbolic, so one
      graph serves every T >= 2, step and sequence). Its projections stay torch.mm on the (out, in)
-     weights: no formulation measured here beat it at small T. On the 2-core Xeon (the 30 layers'
-     matrices, fp32, T = 1 / 5 / 9 / 17): torch.mm 22 / 39 / 45 / 52 ms (MKL's small-M GEMM is
-     far from the memory bound), oneDNN's no better, MKL on a pre-packed copy (424 MB more)
-     24 / 41 / 32 / -, the row-wise form with T accumulators 30 / 42 (T = 4) / 48 / 82, Inductor's
-     CPP GEMM template only for constant (frozen, packed: copied) weights; in bf16 torch.mm
-     (oneDNN, AMX) takes ~23 ms at any T. So a verification costs ~1.7 decode steps at T = 5 and
-     ~2 at T = 9 in fp32, ~1.3 in bf16.
+     weights: no formulation measured here beat it at small T. On lesson 02's 2-core Xeon (the 30
+     layers' matrices, fp32, T from 1 to 17) MKL's small-M GEMM is far from the memory bound, yet
+     neither oneDNN, nor MKL on a pre-packed copy (a second copy of the weights), nor the row-wise
+     form with T accumulators was faster across T, and Inductor's CPP GEMM template takes only
+     constant (frozen, packed: copied) weights; in bf16 torch.mm (oneDNN, AMX) takes about the same
+     time at any T. So a verification costs between one and two decode steps (bench speculative
+     measures rounds of it).
 
   8. quantised weights in the compiled step (`quant_kernels=`, CPU): for a model whose projections
      are int8 or int 3/4-bit QuantLinears, the step of item 6 multiplies by the packed weights with

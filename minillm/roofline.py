@@ -171,7 +171,7 @@ class BandwidthProbe:
     """Read bandwidth, sampled again and again while a benchmark runs.
 
     A VM's memory bandwidth is not a constant: on the 2-core VM of lesson 01 the two threads'
-    read rate moved between ~45 and ~80 GB/s, sometimes within a second (bench roofline records
+    read rate moved between two levels, the faster nearly twice the slower, sometimes within a second (bench roofline records
     a series of samples: summary.bandwidth_over_time). A bound taken from one sample is low whenever that sample lands
     on the slow level, and every "fraction of the bound" above it then flatters. So a benchmark
     that interleaves its timed systems interleaves probe.sample() with them too, and states its

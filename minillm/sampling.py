@@ -133,6 +133,6 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One next token id from logits (V,)."""
     if params.greedy:
-        return int(logits.max(-1).indices)                    # the first maximal index, as argmax; 5x faster in bf16
+        return int(logits.max(-1).indices)                    # the first maximal index, as argmax; faster in bf16
     probs = filtered_probs(logits, params)
     return int(torch.multinomial(probs, 1, generator=generator))

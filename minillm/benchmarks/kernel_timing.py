@@ -1,8 +1,8 @@
 """Timing a GPU kernel so that the number is the kernel's, not the launch's.
 
 `perf_counter(); fn(); synchronize()` around ONE call measures the Python call, the launch
-(microseconds on a GPU) and the synchronisation round trip; a kernel that runs for 10 us then reads
-as 30-50 us, and a "bandwidth" from it comes out at a fraction of the card's. The old results/gpu/
+(microseconds on a GPU) and the synchronisation round trip; a kernel that runs for a few microseconds
+then reads several times longer, and a "bandwidth" from it comes out at a fraction of the card's. The old results/gpu/
 files were timed that way (lesson 04 explains what went wrong). Here:
 
     cuda events    start/end events recorded around each call on the GPU's own clock, so host

@@ -61,7 +61,7 @@ def _llm(model, tokenizer, **kwargs):
 def end_to_end(quick: bool) -> list[dict]:
     """One row per configuration, each measured in a fresh interpreter: the CLI has imported every
     benchmark module by now, numpy among them, and with numpy's OpenBLAS threads loaded torch's 2
-    spinning OpenMP threads ran the one-process engine ~10x slower on this 2-core machine."""
+    spinning OpenMP threads ran the one-process engine many times slower on this 2-core machine."""
     rows = []
     for mode, size in (("single", 1), ("tensor", 3), ("pipeline", 2), ("pipeline", 3)):
         code = f"from minillm.benchmarks.parallel import end_to_end_row as f; print(repr(f({mode!r}, {size}, {quick})))"

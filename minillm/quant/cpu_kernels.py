@@ -47,10 +47,10 @@ import torch
 from . import int4
 
 # Activation dtypes the fast path takes, and the most rows (tokens) per call for which the kernel
-# beat the reference path on this 2-core AVX512 Xeon (torch 2.13; SmolLM2's 30 x 7 linears, one row:
-# bf16 int8 20 ms, int4 10 ms against 108 and 180 ms on the reference path). The bf16 kernels are
-# AVX512 loops; past ~64 rows (a prefill), dequantising once and one bf16 GEMM win. The fp32 kernels
-# are scalar loops (int8 59 ms against 63, int4 114 against 176): only a single row gains.
+# beat the reference path (dequantise, then F.linear) on the 2-core AVX512 Xeon where these limits were
+# set (torch 2.13, SmolLM2's 30 x 7 linears): the bf16 kernels are AVX512 loops, several times faster
+# at one row; past ~64 rows (a prefill), dequantising once and one bf16 GEMM win. The fp32 kernels
+# are scalar loops, barely ahead at one row: only a single row gains. bench quant times both paths.
 KERNEL_MAX_ROWS = {torch.bfloat16: 64, torch.float32: 1}
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)            # group sizes _weight_int4pack_mm_for_cpu accepts
 INT4_ROW_BLOCK = 16                                # _convert_weight_to_int4pack_for_cpu packs 16 rows at a time
