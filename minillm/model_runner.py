@@ -208,7 +208,7 @@ def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_lo
 def _decode_group(members: list[Run], block_size: int, device, window: int | None = None) -> DecodeGroup:
     """members: the runs of the group's requests. Query t of a request sees its keys 0..start + t
     (causal within its own new tokens; with a sliding window, only the last `window` of them);
-    padded query rows see key 0 only (or their first visible key). Built from Python lists,
+    padded query rows see what the request's first query sees. Built from Python lists,
     a handful of tensors: at batch 1 this runs every decode step."""
     Tq = max(r.length for r in members)
     tables = block_table_tensor([r.table for r in members]).long()                # (Bg, n)
