@@ -5,9 +5,11 @@ costs (dispatch, launches, small ops). At 1.24 B parameters (2.47 GB in bf16) a 
 than any cache holds, and lesson 01's bound, tokens/s <= bandwidth / bytes read per token, is what decides.
 One run, on this CPU, the same weights everywhere:
 
-  bound          the read bandwidth measured during the run (roofline.BandwidthProbe, its fastest sample)
-                 / the bytes a decode step reads (roofline.weight_bytes_read: every weight once, the tied
-                 LM head included, the embedding's one row not)
+  bound          the read bandwidth measured during the run (roofline.BandwidthProbe, its fastest sample:
+                 torch's own read, a lower estimate of what the memory can do) / the bytes a decode step
+                 reads (roofline.weight_bytes_read: every weight once, the tied LM head included, the
+                 embedding's one row not). Each system's effective GB/s (tokens/s x bytes it reads per
+                 token) and fraction of the measured bandwidth are reported beside it.
   minillm        LLM.generate, one prompt, bf16 (the engine's compiled decode step) and int4 (RTN, the CPU
                  int4 kernels: the bytes read shrink about 4x)
   transformers   LlamaForCausalLM with the same weights (gpu_engine.hf_twin), its own KV cache, bf16
@@ -17,8 +19,8 @@ One run, on this CPU, the same weights everywhere:
                  measure) and its tokens/s
 
 Each batch-1 system decodes the same 32-token prompt greedily (NEW_TOKENS tokens), a warm-up run first,
-then ROUNDS rounds in turn; decode tokens/s is counted after the first token (the prompt's prefill is
-not decode). The bandwidth probe samples between systems.
+then ROUNDS rounds in turn (llama.cpp as a worker process holding its model); decode tokens/s is counted
+after the first token (the prompt's prefill is not decode). The bandwidth probe samples between systems.
 """
 from __future__ import annotations
 
@@ -40,28 +42,26 @@ NAME = "decode-1b"
 SHAPE = "llama3.2-1b"
 NEW_TOKENS = 32
 PROMPT_TOKENS = 32
-ROUNDS = 3
+ROUNDS = 5
 ENGINE_ROWS = (16, 64)
 LLAMA_CPP = "llama-cpp-python==0.3.16"
 PEER_VENV = Path.home() / ".cache" / "minillm" / "peers" / "llama-cpp"
 
-# run in the peer's own interpreter: load the GGUF, decode greedily, report the per-token times as JSON
-LLAMA_CPP_SCRIPT = r"""
+# run in the peer's own interpreter: load the GGUF once, then one greedy decode per line on stdin, each
+# answered with one JSON line (the per-token times are taken as the tokens come)
+LLAMA_CPP_WORKER = r"""
 import json, sys, time
 from llama_cpp import Llama
-path, prompt, n, rounds = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+path, prompt, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 llm = Llama(model_path=path, n_ctx=512, n_threads=2, n_threads_batch=2, n_batch=64, verbose=False)
-out = []
-for r in range(rounds + 1):                      # the first is the warm-up
-    llm.reset()
+print(json.dumps({"ready": True}), flush=True)
+for _ in sys.stdin:
     stamps, tokens = [], []
     for tok in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
         stamps.append(time.perf_counter()); tokens.append(int(tok))
         if len(tokens) == n:
             break
-    if r:
-        out.append({"decode_tok_s": (n - 1) / (stamps[-1] - stamps[0]), "tokens": tokens})
-print(json.dumps(out))
+    print(json.dumps({"decode_tok_s": (n - 1) / (stamps[-1] - stamps[0]), "tokens": tokens}), flush=True)
 """
 
 
@@ -106,7 +106,8 @@ def engine_rows(llm, prompt: list[int], rows: int) -> dict:
 
 def write_gguf(model, path: Path) -> None:
     """model's bf16 weights as a llama-architecture GGUF (q/k rows already interleaved, as llama.cpp's
-    converter writes Llama files), with a stand-in vocabulary of the model's size (prompts are ids)."""
+    converter writes Llama files; the norms' vectors as F32, the same values), with a stand-in vocabulary
+    of the model's size (prompts are ids)."""
     import gguf
     import numpy as np
 
@@ -139,6 +140,9 @@ def write_gguf(model, path: Path) -> None:
     for i in range(cfg.n_layers):
         tensors.update({f"blk.{i}.{g}.weight": state[f"layers.{i}.{m}"] for g, m in names.items()})
     for name, t in tensors.items():
+        if t.dim() == 1:                                # norms: F32, as llama.cpp's converter writes them
+            w.add_tensor(name, t.float().numpy())
+            continue
         bits = t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
         w.add_tensor(name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
     w.write_header_to_file()
@@ -157,15 +161,37 @@ def peer_python() -> Path:
     return python
 
 
-def llama_cpp_decode(path: Path, prompt: list[int], rounds: int) -> list[dict]:
-    out = subprocess.run([str(peer_python()), "-c", LLAMA_CPP_SCRIPT, str(path), json.dumps(prompt),
-                          str(NEW_TOKENS), str(rounds)], check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+class LlamaCpp:
+    """The llama.cpp peer as a worker process in its own venv: the GGUF loaded once, one decode per call."""
+
+    def __init__(self, path: Path, prompt: list[int]):
+        self.proc = subprocess.Popen([str(peer_python()), "-c", LLAMA_CPP_WORKER, str(path), json.dumps(prompt),
+                                      str(NEW_TOKENS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._answer()
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the llama.cpp worker stopped (exit code {self.proc.wait()})")
+        return json.loads(line)
+
+    def __call__(self) -> dict:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
-def model_bytes(model) -> int:
-    """Bytes of every parameter and buffer (an int4 model's packs and scales included)."""
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+def bytes_read_per_token(model) -> int:
+    """Bytes a decode step reads: every parameter and buffer (an int4 model's packs and scales included),
+    less the input embedding where a separate LM head is read instead (a lookup reads one row)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()       # fused views count once
+                for t in [*model.parameters(), *model.buffers()]}
+    total = sum(storages.values())
+    return total - (model.embed.weight.nbytes if model.lm_head is not None else 0)
 
 
 def run(quick: bool, json_path: str | None = None) -> dict:
@@ -181,38 +207,45 @@ def run(quick: bool, json_path: str | None = None) -> dict:
     hf = hf_twin(model)
     gguf_path = Path(json_path or "results/decode-1b.json").with_suffix(".gguf")
     write_gguf(model, gguf_path)
-    systems = {"minillm bf16": lambda: minillm_decode(llm, prompt), "transformers bf16": lambda: transformers_decode(hf, prompt)}
-    for name, fn in systems.items():                                    # warm-up: compiles, page faults
-        fn()
-    for r in range(rounds):
-        for name, fn in systems.items():
-            probe.sample()
-            samples.setdefault(name, []).append(fn())
-    probe.sample()
-    samples["llama.cpp bf16"] = llama_cpp_decode(gguf_path, prompt, rounds)
+    llama_cpp = LlamaCpp(gguf_path, prompt)
+    systems = {"minillm bf16": lambda: minillm_decode(llm, prompt), "transformers bf16": lambda: transformers_decode(hf, prompt),
+               "llama.cpp bf16": llama_cpp}
+    try:
+        for name, fn in systems.items():                                # warm-up: compiles, page faults
+            fn()
+        for r in range(rounds):                                         # in turn, the probe between them
+            for name, fn in systems.items():
+                probe.sample()
+                samples.setdefault(name, []).append(fn())
+    finally:
+        llama_cpp.close()
     probe.sample()
     engine = [engine_rows(llm, prompt, n) for n in ENGINE_ROWS]
     del hf
-    bf16_bytes = model_bytes(llm.model)
+    bf16_bytes = bytes_read_per_token(llm.model)
     llm4 = LLM(model=random_model_on(cfg, "cpu", torch.bfloat16), tokenizer=IdsTokenizer(), device="cpu",
                max_model_len=512, quantization="int4")
     minillm_decode(llm4, prompt)
     samples["minillm int4"] = [minillm_decode(llm4, prompt) for _ in range(rounds)]
-    int4_bytes = model_bytes(llm4.model)
+    int4_bytes = bytes_read_per_token(llm4.model)
     probe.sample()
     gguf_path.unlink()                                                  # 2.5 GB: not a result
-    bandwidth = probe.best()
+    bandwidth = probe.best
     bound = bandwidth / roofline.weight_bytes_read(cfg, 2)
     for name, runs in samples.items():
         tok_s = statistics.median(r["decode_tok_s"] for r in runs)
+        read = int4_bytes if "int4" in name else bf16_bytes
         rows.append({"system": name, "decode_tok_s": tok_s, "all_decode_tok_s": [r["decode_tok_s"] for r in runs],
-                     "fraction_of_bound": tok_s / bound, "tokens": runs[-1]["tokens"]})
+                     "bytes_read_per_token": read, "effective_gb_s": tok_s * read / 1e9,
+                     "fraction_of_bound": tok_s * read / bandwidth, "tokens": runs[-1]["tokens"]})
     by = {r["system"]: r for r in rows}
     summary = {
         "bandwidth_gb_s": bandwidth / 1e9, "bandwidth_samples_gb_s": [s / 1e9 for s in probe.samples],
         "weight_gb_read_per_token_bf16": roofline.weight_bytes_read(cfg, 2) / 1e9, "bound_tok_s_bf16": bound,
         **{f"{name.replace(' ', '_').replace('.', '')}_tok_s": r["decode_tok_s"] for name, r in by.items()},
         **{f"{name.replace(' ', '_').replace('.', '')}_fraction_of_bound": r["fraction_of_bound"] for name, r in by.items()},
+        **{f"{name.replace(' ', '_').replace('.', '')}_effective_gb_s": r["effective_gb_s"] for name, r in by.items()},
+        "bytes_read_per_token_bf16": bf16_bytes, "bytes_read_per_token_int4": int4_bytes,
         "minillm_vs_transformers": by["minillm bf16"]["decode_tok_s"] / by["transformers bf16"]["decode_tok_s"],
         "minillm_vs_llama_cpp": by["minillm bf16"]["decode_tok_s"] / by["llama.cpp bf16"]["decode_tok_s"],
         "int4_vs_bf16_speed": by["minillm int4"]["decode_tok_s"] / by["minillm bf16"]["decode_tok_s"],
