@@ -141,7 +141,7 @@ def test_engine_greedy_tokens_equal_transformers(folders, family):
         assert llm.engine.block_manager.num_free_blocks == 24                 # nothing leaked
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "mistral-window"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral-window"])
 def test_engine_with_tensor_parallel_2_equals_transformers(folders, family):
     folder, hf = folders[family]
     prompts = [prompt(6, seed=1), prompt(31, seed=2)]
