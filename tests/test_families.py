@@ -124,7 +124,8 @@ def test_engine_greedy_tokens_equal_transformers(folders, family):
     prompts = [prompt(5, seed=1), shared + prompt(9, seed=2), prompt(40, seed=3), shared + prompt(3, seed=4)]
     expected = greedy_reference(hf, prompts, 10)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    with LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=512, tune_kernels=False) as llm:
+    with LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=512, num_kv_blocks=256,
+             tune_kernels=False) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outs] == expected
         one = llm.generate([{"prompt_token_ids": prompts[2]}], params, use_tqdm=False)[0]
@@ -146,7 +147,8 @@ def test_engine_with_tensor_parallel_2_equals_transformers(folders, family):
     folder, hf = folders[family]
     prompts = [prompt(6, seed=1), prompt(31, seed=2)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=512, tensor_parallel_size=2) as llm:
+    with LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=512, num_kv_blocks=256,
+             tensor_parallel_size=2) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == greedy_reference(hf, prompts, 8)
 
@@ -363,7 +365,7 @@ def test_a_windowed_model_speculates_exactly_and_refuses_the_backends_without_a_
     folder, hf = folders["mistral-window"]
     p = [5, 6, 7, 8, 9] * 8
     expected = greedy_reference(hf, [p], 30)[0]
-    with LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=128, speculative_method="ngram",
+    with LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=64, speculative_method="ngram",
              num_speculative_tokens=3, speculative_policy="always", tune_kernels=False) as llm:
         reqs = llm.make_requests([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
         llm.engine.run(reqs)
