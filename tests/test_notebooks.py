@@ -83,8 +83,8 @@ def execute(path):
 
 @pytest.fixture(scope="module")
 def executed():
-    """Every notebook executed in quick mode, each in its own kernel, three kernels at a time with ONE
-    torch thread each (OMP_NUM_THREADS=1, which a kernel inherits): on two cores one kernel's imports,
+    """Every notebook executed in quick mode, each in its own kernel, up to three kernels at a time (as many
+    as the available memory holds: kernels_that_fit) with ONE torch thread each (OMP_NUM_THREADS=1, which a kernel inherits): on two cores one kernel's imports,
     compiles, single-threaded Python and waits on its subprocesses overlap the others'. Kernels with two
     threads each oversubscribe the cores (the OpenMP threads wait on each other), which made running two
     at a time slower, not faster.
@@ -98,8 +98,19 @@ def executed():
         mp.setenv("MINILLM_QUICK", "1")
         mp.setenv("MPLBACKEND", "Agg")
         mp.setenv("OMP_NUM_THREADS", "1")
-        with ThreadPoolExecutor(max_workers=3) as pool:
+        with ThreadPoolExecutor(max_workers=kernels_that_fit()) as pool:
             return dict(zip([p.name for p in order], pool.map(execute, order)))
+
+
+KERNEL_BYTES = 4 << 30          # room for one notebook kernel: the real model, an engine, a peer model
+
+
+def kernels_that_fit(most: int = 3) -> int:
+    """How many notebook kernels run at once: up to `most`, as many as the memory available now holds
+    (a full suite's process has grown by then; a fresh-clone run was killed for memory with three)."""
+    meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo")) if Path("/proc/meminfo").exists() else {}
+    available = int(meminfo.get("MemAvailable", f"{most * KERNEL_BYTES // 1024} kB").split()[0]) * 1024
+    return max(1, min(most, available // KERNEL_BYTES))
 
 
 @pytest.mark.slow                                       # the notebooks load the real model
