@@ -84,11 +84,33 @@ def rowwise_dot(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (weight.float() * x.float()).sum(-1).to(weight.dtype)
 
 
+def blocked_dot(blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """blocks (out/R, in, R): a weight (out, in) laid out in blocks of R rows (transforms.gemv_blocks),
+    x (in,) -> (out,) in the weights' dtype, summed in fp32. Inductor vectorises over the R rows of a
+    block and walks down `in`: each iteration reads one contiguous run of R weights and adds it,
+    times x[i], to R running sums held in vector registers, with no horizontal sum per row; and
+    anything fused into x (the RMSNorm before a projection) is computed once per block of R rows,
+    not once per row as in rowwise_dot. Compiled use only, like rowwise_dot."""
+    return (blocks.float() * x.float()[None, :, None]).sum(1).flatten().to(blocks.dtype)
+
+
+def gemv(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """w @ x for x (in,) -> (out,): w (out, in) by the row-wise dot, or in blocks (out/R, in, R) by
+    blocked_dot; run eagerly (where compiling failed), by the library's kernels instead, which do
+    not materialise w * x."""
+    if not torch.compiler.is_compiling():
+        return torch.mv(w, x) if w.dim() == 2 else torch.einsum("bir,i->br", w, x).flatten()
+    return blocked_dot(w, x) if w.dim() == 3 else rowwise_dot(w, x)
+
+
 def project(w, x: torch.Tensor) -> torch.Tensor:
-    """x (N, in) -> (N, out) by the projection w: a tensor (out, in) (one row: the row-wise dot,
-    compiled use only; more: a matmul), a packed int8/int4 tuple (its CPU kernel), or a callable."""
+    """x (N, in) -> (N, out) by the projection w: a tensor (out, in) or its row blocks (out/R, in, R)
+    (one row: gemv, compiled use only; more: a matmul), a packed int8/int4 tuple (its CPU kernel),
+    or a callable."""
     if isinstance(w, torch.Tensor):
-        return rowwise_dot(w, x[0])[None] if x.shape[0] == 1 else x @ w.t()
+        if x.shape[0] == 1:
+            return gemv(w, x[0])[None]
+        return x @ w.t() if w.dim() == 2 else torch.einsum("ni,bir->nbr", x, w).flatten(1)
     if isinstance(w, tuple):
         from .quant.cpu_kernels import packed_mm
         return packed_mm(x, *w)
@@ -146,14 +168,4 @@ def paged_decode_layer(h: torch.Tensor, weights: tuple, cos: torch.Tensor, sin: 
 # size it changed made symbolic, and symbolic loops run slower. Each model gets its own static graph
 # (tests/test_one_path.py counts the symbols a second model's step creates).
 compiled_decode_layer = compile_on_first_call(paged_decode_layer, dynamic=False)
-compiled_head = compile_on_first_call(rowwise_dot, dynamic=False)   # the tied LM head of a compiled decode step
-# For 2-byte weights, a second build: by default Inductor inlines the normalised input (RMSNorm)
-# into each GEMV loop and recomputes it, with the bf16 -> fp32 conversions, for every ROW;
-# materialising any pointwise result of more than 2 ops once makes the GEMV loop a bare
-# load-convert-multiply-add. Which build is faster depends on the CPU (lesson 02), so the engine's
-# build-time tuning step times both (model_runner.ModelRunner); fp32 takes the default. An Inductor
-# without the option runs the default build.
-compiled_decode_layer_16bit = compile_on_first_call(paged_decode_layer, dynamic=False,
-                                                    options={"realize_opcount_threshold": 2},
-                                                    fallback=compiled_decode_layer)
-DECODE_BUILDS = {"default": compiled_decode_layer, "materialised": compiled_decode_layer_16bit}
+compiled_head = compile_on_first_call(gemv, dynamic=False)   # the tied LM head of a compiled decode step

@@ -21,14 +21,14 @@ Triton kernels on a GPU, a compiled kernel that reads each request's blocks in p
 How the layer runs is chosen once, here, from what the model is: its weights prepacked for the CPU
 GEMM libraries, int8/int4 packs for a quantised model, the module itself otherwise (eager_weights);
 a step whose only row is one decode token runs the same layer under torch.compile
-(layer.compiled_decode_layer, NEW: compiled decode step); on a GPU a step whose every row is one
+(layer.compiled_decode_layer, NEW: compiled decode step) over a copy of the float weights laid out
+for one-token GEMVs (transforms.gemv_blocks); on a GPU a step whose every row is one
 decode token replays a CUDA graph (minillm/cuda_graphs.py).
 """
 from __future__ import annotations
 
 import functools
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -36,11 +36,11 @@ import torch
 from . import prepacked
 from .kernel_args import INTERPRETED
 from .attention import Run, choose_backend, make_backend
-from .layer import DECODE_BUILDS, compiled_head, compiled_or_eager, decoder_layer, paged_decode_layer
+from .layer import compiled_decode_layer, compiled_head, compiled_or_eager, decoder_layer, gemv, paged_decode_layer
 from .model import Llama, ModelConfig
 from .paged_attention import block_table_tensor, copy_blocks, gather_kv, store_kv_reference
 from .positions import RopeTable, apply_rope_complex
-from .transforms import is_fused
+from .transforms import gemv_blocks, is_fused
 
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
@@ -263,10 +263,10 @@ class ModelRunner:
         """prepack_rows: on CPU, lay the float weights out once for batches of about this many rows
         (minillm/prepacked.py; the engine passes max_num_seqs); None: plain F.linear.
         tune_kernels: the build's one timing step: MKL against oneDNN per weight shape
-        (prepacked.choose_libraries) and, for a 2-byte model, the two builds of the compiled decode
-        step; False: the recorded defaults. What was chosen: self.gemm_libraries, self.decode_build.
+        (prepacked.choose_libraries); False: the recorded defaults. What was chosen: self.gemm_libraries.
         compile_decode: on CPU, a step whose only row is one decode token runs the same layer under
-        torch.compile (layer.compiled_decode_layer) over the weights as tensors or int8/int4 packs.
+        torch.compile (layer.compiled_decode_layer) over the weights as int8/int4 packs or, float
+        ones, as a copy in row blocks (transforms.gemv_blocks).
         triton_on_cpu: run the GPU path (Triton store + paged decode kernel) on CPU tensors under
         TRITON_INTERPRET=1, so that tests on a CPU machine cover what a GPU runs.
         attention_backend: how prefill runs attend (model.ATTENTION_BACKENDS); the paged backend itself
@@ -286,10 +286,9 @@ class ModelRunner:
         if self.prepacking:                     # the build's one GEMM timing step (or the recorded defaults)
             self.gemm_libraries = prepacked.choose_libraries(self._prepackable_weights(), prepack_rows, tune_kernels)
         self.layer_weights, self.packed_head = self._eager_weights(prepack_rows, self.gemm_libraries)
-        self.decode_weights = self._compiled_weights() if compile_decode and self.attention.name == "cpu-fused" else None
-        self.decode_build = "default"           # layer.DECODE_BUILDS key: the compiled step's build
-        if self.decode_weights is not None and model.embed.weight.element_size() == 2 and tune_kernels:
-            self.decode_build = self._choose_decode_build()
+        self.decode_weights = self.decode_head = None   # the compiled step's layers and tied head (row blocks)
+        if compile_decode and self.attention.name == "cpu-fused":
+            self.decode_weights, self.decode_head = self._compiled_weights()
 
     def drop_prepacked(self) -> None:
         """Run on plain F.linear from now on (frees the packed copies; bench engine-step compares)."""
@@ -333,42 +332,33 @@ class ModelRunner:
                         qk_norm))
         return out, packed_head
 
-    def _compiled_weights(self) -> list | None:
-        """-> per layer the weights of the compiled decode step: tensors (a float model whose fused
-        projections are bias-free nn.Linears) or int8/int4 packs; None where a projection is neither."""
-        model, out = self.model, []
+    def _compiled_weights(self) -> tuple[list | None, torch.Tensor | None]:
+        """-> per layer the weights of the compiled decode step, and the tied LM head (None: untied or
+        quantised). A float model whose fused projections are bias-free nn.Linears: copies in row
+        blocks (transforms.gemv_blocks, NEW); a quantised one: its int8/int4 packs; (None, None) where
+        a projection is neither."""
+        model, layers = self.model, []
         for layer, eager in zip(model.layers, self.layer_weights):
             attn, ffn = layer.attn, layer.ffn
             if self.fused:
                 linears = (attn.wqkv, attn.wo, ffn.w_gate_up, ffn.w_down)
                 if any(type(m) is not torch.nn.Linear or m.bias is not None for m in linears):
-                    return None
+                    return None, None
                 projections = [m.weight.detach() for m in linears]
             else:
                 projections = [eager[1], eager[2], eager[4], eager[5]]
                 if not all(isinstance(p, PackedProjection) for p in projections):
-                    return None
+                    return None, None
                 projections = [p.pack for p in projections]
-            out.append((eager[0], projections[0], projections[1], eager[3], projections[2], projections[3], eager[6]))
-        return out
-
-    def _choose_decode_build(self, rounds: int = 3) -> str:
-        """Time the two builds of the compiled 2-byte decode step (layer.DECODE_BUILDS) on one decode
-        token written to slot 0 (the pool is empty while the engine is being built), each compiled
-        first, then `rounds` alternating rounds of a whole step (all layers: the weights stream from
-        memory as they do in use; one layer alone sits in the cache, where the builds tie)."""
-        device = self.kv.k.device
-        batch = build_batch([([0], 0, [0], [0])], ["last"], self.kv.block_size, device, window=self.window)
-        totals = dict.fromkeys(DECODE_BUILDS, 0.0)
-        for name in DECODE_BUILDS:
-            self._forward_compiled(batch, name)                          # compiles
-        for _ in range(rounds if self.compile_failed is None else 0):
-            for name in DECODE_BUILDS:
-                t0 = time.perf_counter()
-                self._forward_compiled(batch, name)
-                totals[name] += time.perf_counter() - t0
-        self.compiled_decode_steps = 0
-        return min(DECODE_BUILDS, key=totals.get)
+            layers.append([eager[0], projections[0], projections[1], eager[3], projections[2], projections[3], eager[6]])
+        head = model.embed.weight.detach() if model.lm_head is None else None
+        if self.fused:                                                    # all copies in one buffer
+            slots = [(layer, j) for layer in layers for j in (1, 2, 4, 5)]
+            blocks = gemv_blocks([layer[j] for layer, j in slots] + ([head] if head is not None else []))
+            for (layer, j), b in zip(slots, blocks):
+                layer[j] = b
+            head = blocks[-1] if head is not None else None
+        return [tuple(layer) for layer in layers], head
 
     @property
     def packed_layers(self) -> list[tuple] | None:
@@ -400,7 +390,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(batch):         # NEW: CUDA graphs, decode-only steps
             return self.graphs.run(batch)
         if self.decode_weights is not None and _one_decode_row(batch) and self.compile_failed is None:
-            return self._forward_compiled(batch, self.decode_build)      # NEW: compiled decode step
+            return self._forward_compiled(batch)                         # NEW: compiled decode step
         return self.forward_eager(batch)
 
     @torch.no_grad()
@@ -428,7 +418,7 @@ class ModelRunner:
         return self.rope.cos[positions][:, None], self.rope.sin[positions][:, None]
 
     @torch.no_grad()
-    def _forward_compiled(self, batch: PagedBatch, build: str) -> torch.Tensor:
+    def _forward_compiled(self, batch: PagedBatch) -> torch.Tensor:
         """One decode token through every layer by the compiled layer.paged_decode_layer (eagerly,
         where compiling fails) -> logits (1, V). The block table is padded to at least 2 blocks
         (a repeat past seq_len, masked): torch would specialise a size of 1 into a graph of its own."""
@@ -441,17 +431,15 @@ class ModelRunner:
             torch._dynamo.maybe_mark_dynamic(cache, 0)
         cos, sin = self._cos_sin(batch.positions)                        # (1, 1, D/2) each
         h = self.model.embed.weight.detach()[batch.tokens]               # (1, dim) gathered: not a view
-        compiled = DECODE_BUILDS[build]
         for i, weights in enumerate(self.decode_weights):
-            h = self._run(compiled, paged_decode_layer, h, weights, cos, sin, k_caches[i], v_caches[i],
+            h = self._run(compiled_decode_layer, paged_decode_layer, h, weights, cos, sin, k_caches[i], v_caches[i],
                           batch.slot_mapping, tables, group.seq_lens, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps,
                           self.window)
         self.compiled_decode_steps += 1
         if self.model.lm_head is not None:                               # an untied or quantised head
             return self.model.logits(h)                                  # (1, V)
         x = self.model.norm(h)[0]                                        # (dim,)
-        head = self.model.embed.weight.detach()
-        return self._run(compiled_head, torch.mv, head, x)[None]         # (1, V): the tied head as one GEMV
+        return self._run(compiled_head, gemv, self.decode_head, x)[None]  # (1, V): the tied head as one GEMV
 
 
 def _one_decode_row(batch: PagedBatch) -> bool:

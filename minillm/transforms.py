@@ -5,6 +5,11 @@ a layer runs 2 projections where it ran 5 (fewer kernel calls, longer contiguous
 modules' weights become views into the fused ones: nothing is copied, and the naive model still runs
 on the very same numbers. is_fused says whether that still holds (quantising or replacing a
 projection after fusing breaks it); it only looks.
+
+gemv_blocks: copies of the weights laid out for the one-token GEMV of the engine's compiled decode
+step (rows in blocks of one cache line, layer.blocked_dot), in memory backed by huge pages. The cost
+is memory: a second copy of every float projection and of the tied head (the originals stay for
+prefills, batches and state_dict).
 """
 from __future__ import annotations
 
@@ -26,6 +31,69 @@ def fuse_projections(model: Llama) -> Llama:
         attn.wqkv = _fuse([attn.wq, attn.wk, attn.wv])
         ffn.w_gate_up = _fuse([ffn.w_gate, ffn.w_up])
     return model
+
+
+CACHE_LINE_BYTES = 64        # x86's cache line: one block row of gemv_blocks
+HUGE_PAGE_BYTES = 2 << 20    # x86-64's transparent huge page
+MADV_HUGEPAGE = 14           # Linux madvise(2) advice
+
+
+def gemv_blocks(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each weight (out, in) -> its copy in row blocks (out/R, in, R), R = one cache line of weights
+    (16 fp32, 32 bf16/fp16): block b holds rows b*R .. b*R+R-1 column by column, so a one-token GEMV
+    (layer.blocked_dot) reads each block front to back, one cache line per step, into R running sums.
+    R was chosen by end-to-end decode runs on the AMD EPYC VM (A/B runs not stored in results/): in
+    bf16, 16 rows per block ran slower than 32 (one chain of dependent vector adds instead of two),
+    in fp32, 32 rows slower than 16. A weight whose out is not a multiple of R comes back as it is
+    (the row-wise dot runs it).
+    All the copies live in one buffer backed by huge pages where the OS gives them (huge_page_buffer):
+    a decode step streams every weight once, and with 4 KB pages it crosses a page, and misses the
+    TLB, every 4 KB."""
+    def rows(w):
+        return CACHE_LINE_BYTES // w.element_size()
+
+    blocked = [w.dim() == 2 and w.shape[0] % rows(w) == 0 for w in weights]
+    sizes = [-(-w.numel() * w.element_size() // CACHE_LINE_BYTES) * CACHE_LINE_BYTES for w in weights]
+    arena = huge_page_buffer(sum(n for n, b in zip(sizes, blocked) if b))
+    out, offset = [], 0
+    for w, n, b in zip(weights, sizes, blocked):
+        if not b:
+            out.append(w)
+            continue
+        (n_out, n_in), R = w.shape, rows(w)
+        copy = arena[offset:offset + w.numel() * w.element_size()].view(w.dtype).view(n_out // R, n_in, R)
+        copy.copy_(w.view(n_out // R, R, n_in).transpose(1, 2))
+        out.append(copy)
+        offset += n
+    return out
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 buffer (nbytes,), starting at a huge-page boundary, whose pages Linux is
+    asked to back with transparent huge pages (madvise MADV_HUGEPAGE, before any page is touched:
+    the first write then faults in 2 MB at a time). Elsewhere, or where THP is off, a plain buffer."""
+    import ctypes
+    import sys
+
+    plain = torch.empty(nbytes, dtype=torch.uint8)
+    if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE_BYTES or "[never]" in _thp_mode():
+        return plain
+    del plain
+    raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)    # room to align the start
+    start = -raw.data_ptr() % HUGE_PAGE_BYTES
+    length = nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES               # whole huge pages inside the buffer
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(length), MADV_HUGEPAGE)   # advice only
+    return raw[start:start + nbytes]
+
+
+def _thp_mode() -> str:
+    """/sys/kernel/mm/transparent_hugepage/enabled, e.g. "always [madvise] never" ("" if absent)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def is_fused(model: Llama) -> bool:

@@ -103,7 +103,7 @@ def test_the_compiled_step_falls_back_to_eager_when_the_compiler_fails_and_says_
 
     def broken(*args):
         raise torch._dynamo.exc.TorchRuntimeError("no C++ compiler")
-    monkeypatch.setattr("minillm.model_runner.DECODE_BUILDS", {"default": broken})
+    monkeypatch.setattr("minillm.model_runner.compiled_decode_layer", broken)
     with pytest.warns(UserWarning, match="could not build"):
         got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want and "no C++ compiler" in runner.compile_failed
@@ -116,7 +116,7 @@ def test_an_error_inside_the_compiled_step_is_the_steps_own(monkeypatch):
 
     def buggy(*args):
         raise IndexError("a bug in the step, not the compiler")
-    monkeypatch.setattr("minillm.model_runner.DECODE_BUILDS", {"default": buggy})
+    monkeypatch.setattr("minillm.model_runner.compiled_decode_layer", buggy)
     with pytest.raises(IndexError, match="not the compiler"):
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert llm.engine.runner.compile_failed is None
@@ -197,3 +197,74 @@ def test_options_the_compiler_refuses_run_the_fallback():
     assert refused(torch.tensor(3)) == 6
     with pytest.raises(RuntimeError, match="no_such_inductor_option"):
         compile_on_first_call(lambda x: x + 1, options={"no_such_inductor_option": 1})(torch.tensor(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_step_reads_each_float_weight_as_a_copy_in_row_blocks_of_one_cache_line(dtype):
+    """transforms.gemv_blocks at the runner's build: block b, column i, lane r is row b*R + r of the
+    weight, R weights to a 64-byte line; the tied head too. The step then decodes the tokens of the
+    eager engine (fp32: equal)."""
+    cfg = tiny_config()
+    llm = LLM(model=random_model(cfg, seed=2).to(dtype), tokenizer=CharTokenizer(), max_model_len=64, tune_kernels=False)
+    runner, model = llm.engine.runner, llm.model
+    R = 64 // torch.tensor([], dtype=dtype).element_size()
+    layer = model.layers[0]
+    for blocks, linear in zip([runner.decode_weights[0][i] for i in (1, 2, 4, 5)],
+                              [layer.attn.wqkv, layer.attn.wo, layer.ffn.w_gate_up, layer.ffn.w_down]):
+        out, n_in = linear.weight.shape
+        assert blocks.shape == (out // R, n_in, R) and blocks.is_contiguous()
+        assert torch.equal(blocks.transpose(1, 2).reshape(out, n_in), linear.weight)
+        assert blocks.data_ptr() != linear.weight.data_ptr()                       # a copy: the original stays
+    assert torch.equal(runner.decode_head.transpose(1, 2).reshape(cfg.vocab_size, cfg.dim), model.embed.weight)
+    if dtype == torch.float32:
+        prompt = {"prompt_token_ids": random_prompts([9], cfg.vocab_size, seed=3)[0]}
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        compiled = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert runner.compiled_decode_steps == params.max_tokens - 1
+        runner.decode_weights = None                                               # the eager layer instead
+        assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == compiled
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_blocked_gemv_equals_the_row_wise_one_compiled_and_eager(dtype):
+    from minillm.layer import compile_on_first_call, gemv
+    from minillm.transforms import gemv_blocks
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 80, generator=g).to(dtype)
+    x = torch.randn(80, generator=g).to(dtype)
+    odd = torch.randn(90, 80, generator=g).to(dtype)                             # not a whole number of blocks
+    want = (w.double() @ x.double())
+    compiled = compile_on_first_call(gemv, dynamic=False)
+    blocks, same = gemv_blocks([w, odd])
+    assert blocks.dim() == 3 and same is odd
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.01)   # bf16: one rounding
+    for got in (compiled(blocks, x), compiled(w, x), gemv(blocks, x), gemv(w, x)):
+        assert got.dtype == dtype and got.shape == (96,)
+        torch.testing.assert_close(got.double(), want, **tol)
+
+
+def anon_huge_kb(address: int) -> int:
+    """AnonHugePages (kB) of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_the_row_blocks_live_in_huge_pages_where_linux_gives_them():
+    """A decode step streams every weight once: gemv_blocks puts the copies in one buffer advised for
+    transparent huge pages, so the step crosses a page every 2 MB, not every 4 KB."""
+    from minillm.transforms import _thp_mode, gemv_blocks
+
+    if not sys.platform.startswith("linux") or not ("[always]" in _thp_mode() or "[madvise]" in _thp_mode()):
+        pytest.skip(f"transparent huge pages are off here ({_thp_mode().strip() or 'no THP'})")
+    weights = [torch.randn(1024, 1024) for _ in range(4)]                         # 16 MB of copies
+    blocks = gemv_blocks(weights)
+    assert all(torch.equal(b.transpose(1, 2).reshape(1024, 1024), w) for b, w in zip(blocks, weights))
+    assert anon_huge_kb(blocks[0].data_ptr()) >= 8 * 1024                         # most of the 16 MB

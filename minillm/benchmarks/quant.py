@@ -160,10 +160,7 @@ def speed(models: dict, tokenizer, cfg: dict) -> dict:
     for r in rows:
         r["vs_faster_float"] = r["decode_tok_s"] / best["decode_tok_s"]
     return {"faster_float": best["method"], "results": rows,
-            "vs_faster_float": {r["method"]: r["vs_faster_float"] for r in rows},
-            "builds_16bit": {key: llm.engine.runner.decode_build    # the engine's compiled 2-byte step, as its
-                             for key, (llm, _) in llms.items()      # build-time tuning chose it
-                             if llm.model.embed.weight.element_size() == 2}}
+            "vs_faster_float": {r["method"]: r["vs_faster_float"] for r in rows}}
 
 
 def engine_throughput(models: dict, tokenizer, cfg: dict) -> dict:
