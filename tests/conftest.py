@@ -39,6 +39,31 @@ def pytest_configure(config):
     config.pluginmanager.register(SessionRecorder(["*"]), SESSION_RECORDER)
 
 
+COLLECT_AFTER_GROWTH = 1 << 30          # bytes of resident memory gained since the last collection
+_resident_after_collect = [0]
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def collect_engines_left_in_cycles():
+    """An engine sits in reference cycles (runner, backend, bound methods), so a test's engine, with its
+    KV pool and weight copies, is freed only when Python's cycle collector runs, which it seldom does:
+    the test process then held a dozen engines at once, and a full run was killed for memory when the
+    notebooks' kernels started beside it. After any test that left the process COLLECT_AFTER_GROWTH
+    larger than after the last collection, collect (Linux; elsewhere nothing)."""
+    yield
+    if not os.path.exists("/proc/self/statm"):
+        return
+    if _resident_bytes() - _resident_after_collect[0] > COLLECT_AFTER_GROWTH:
+        import gc
+        gc.collect()
+        _resident_after_collect[0] = _resident_bytes()
+
+
 @pytest.fixture
 def fresh_compile_caches():
     """The test compiles afresh. Dynamo keeps what it learnt per function for the whole process: the
