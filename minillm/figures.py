@@ -23,14 +23,14 @@ import torch
 from . import roofline
 from .block_manager import BlockManager
 from .kv_cache import kv_cache_bytes
-from .model import ModelConfig, random_model, tiny_config
+from .model import random_model, tiny_config
 from .request import Request
 from .sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "lessons" / "figures"
 WIDTH, DPI = 10.0, 110          # inches at lesson width; ~1100 pixels
-MODELS = {"SmolLM2-135M": ModelConfig(), "Llama-2-7B": roofline.LLAMA2_7B, "Llama-2-70B": roofline.LLAMA2_70B}
+MODELS = {"SmolLM2-135M": roofline.SMOLLM2_135M, "Llama-2-7B": roofline.LLAMA2_7B, "Llama-2-70B": roofline.LLAMA2_70B}
 COLORS = {"SmolLM2-135M": "tab:green", "Llama-2-7B": "tab:blue", "Llama-2-70B": "tab:purple",
           "A100 80GB": "tab:orange", "H100 SXM": "tab:red", "H200": "tab:brown",
           "prefill": "#4c72b0", "decode": "#8fb8de", "idle": "#e07b6a", "waiting": "#eeeeee",

@@ -12,7 +12,7 @@ RoPE rotates *interleaved* pairs (0,1), (2,3), ... (minillm/positions.py, shared
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -23,16 +23,17 @@ from .positions import ROPE_SCALINGS, apply_rope, causal_mask, rope_cos_sin
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 49152
-    dim: int = 576             # hidden size
-    n_layers: int = 30
-    n_heads: int = 9           # query heads
-    n_kv_heads: int = 3        # key/value heads (GQA: n_heads // n_kv_heads queries share one)
-    head_dim: int = 64
-    ffn_dim: int = 1536        # SwiGLU inner size
+    """A Llama-family shape. No default shape: name one (ModelConfig.named) or read a checkpoint's."""
+    vocab_size: int
+    dim: int                   # hidden size
+    n_layers: int
+    n_heads: int               # query heads
+    n_kv_heads: int            # key/value heads (GQA: n_heads // n_kv_heads queries share one)
+    head_dim: int
+    ffn_dim: int               # SwiGLU inner size
+    rope_theta: float
+    max_seq_len: int           # positions the model was trained for
     norm_eps: float = 1e-5
-    rope_theta: float = 100000.0
-    max_seq_len: int = 8192    # positions the model was trained for
     tie_embeddings: bool = True
     qkv_bias: bool = False     # Qwen2 has biases on q, k, v
     qk_norm: bool = False      # Qwen3: RMSNorm over each head of q and k, before RoPE
@@ -50,6 +51,19 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @staticmethod
+    def named(name: str) -> "ModelConfig":
+        """A published shape by name: "smollm2-135m", "llama3-8b", ... (minillm/shapes.py: SHAPES)."""
+        from .shapes import SHAPES
+
+        if name not in SHAPES:
+            raise ValueError(f"unknown model shape {name!r}; allowed: {', '.join(map(repr, SHAPES))}")
+        return SHAPES[name]
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with some fields changed (a variant of a named shape: SMOLLM2_135M.replace(n_kv_heads=9))."""
+        return replace(self, **changes)
 
     def num_parameters(self) -> int:
         d, kv = self.dim, self.n_kv_heads * self.head_dim
@@ -246,10 +260,10 @@ def random_model_on(cfg: ModelConfig, device: str | torch.device, dtype=torch.bf
 
 
 def published_model(name: str, device: str | torch.device, dtype=torch.bfloat16, seed: int = 0) -> Llama:
-    """A random-weight model of a published shape (roofline.PUBLISHED: "llama2-7b", "llama3-8b",
+    """A random-weight model of a published shape (shapes.PUBLISHED: "llama2-7b", "llama3-8b",
     "llama3.2-1b"), made on `device` (random_model_on): for speed measurements where a GPU needs a
     model big enough to matter, with no download."""
-    from .roofline import PUBLISHED
+    from .shapes import PUBLISHED
 
     if name not in PUBLISHED:
         raise ValueError(f"unknown model shape {name!r}; allowed: {', '.join(map(repr, PUBLISHED))}")

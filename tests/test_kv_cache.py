@@ -5,7 +5,8 @@ import torch
 from minillm.kv_cache import (KVCache, forward_cached, generate_greedy, generate_greedy_naive, kv_cache_bytes,
                               positions_computed,
                               mla_kv_cache_bytes)
-from minillm.model import ModelConfig, random_model, tiny_config
+from minillm.model import random_model, tiny_config
+from minillm.shapes import SMOLLM2_135M
 
 
 def test_tiny_128_tokens_identical_to_naive(tiny_model):
@@ -57,7 +58,7 @@ def test_calculator_reproduces_the_article_llama7b_figures():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_calculator_equals_allocated_bytes_for_smollm2(dtype):
-    cfg = ModelConfig()                                                 # SmolLM2-135M's shape
+    cfg = SMOLLM2_135M
     cache = KVCache(cfg, batch=2, max_len=128, dtype=dtype)
     size = torch.tensor([], dtype=dtype).element_size()
     assert cache.nbytes == kv_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 128, 2, size)

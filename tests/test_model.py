@@ -130,3 +130,23 @@ def test_random_model_dtypes():
     m = random_model(tiny_config(), dtype=torch.bfloat16)
     assert isinstance(m, Llama) and m.embed.weight.dtype == torch.bfloat16
     assert m(torch.zeros(1, 4, dtype=torch.long)).dtype == torch.bfloat16
+
+
+def test_a_shape_is_named_or_read_never_a_silent_default(smollm2_path):
+    """ModelConfig has no default shape; ModelConfig.named finds the registry's (minillm/shapes.py), and the
+    registry's SmolLM2 is the shape the loader reads from the GGUF this project runs."""
+    from minillm.gguf_file import read_gguf
+    from minillm.loader import config_from_gguf
+    from minillm.model import ModelConfig
+    from minillm.shapes import SHAPES, SMOLLM2_135M
+
+    with pytest.raises(TypeError, match="vocab_size"):
+        ModelConfig()
+    with pytest.raises(ValueError, match="unknown model shape 'smollm2'.*'smollm2-135m'"):
+        ModelConfig.named("smollm2")
+    assert ModelConfig.named("smollm2-135m") is SMOLLM2_135M and ModelConfig.named("llama3-8b") is SHAPES["llama3-8b"]
+    gguf = read_gguf(smollm2_path)
+    read = config_from_gguf(gguf.metadata, gguf.tensors.keys())
+    assert read.replace(norm_eps=SMOLLM2_135M.norm_eps) == SMOLLM2_135M
+    assert read.norm_eps == pytest.approx(SMOLLM2_135M.norm_eps)                # GGUF keeps it in float32
+    assert SMOLLM2_135M.replace(n_kv_heads=9).n_kv_heads == 9 and SMOLLM2_135M.n_kv_heads == 3

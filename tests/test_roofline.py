@@ -5,6 +5,7 @@ import math
 import pytest
 
 from minillm.model import ModelConfig
+from minillm.shapes import SMOLLM2_135M
 from minillm.roofline import (GPUS, LLAMA2_7B, LLAMA2_70B, LLAMA3_8B, LLAMA3_70B, LLAMA31_70B, compute_bound_batch,
                               decode_bytes_per_step, decode_flops_per_token, decode_step_seconds, kv_bytes_per_token,
                               max_sequences, prefill_flops, prefill_seconds, ridge_point, weight_bytes,
@@ -52,7 +53,8 @@ def test_long_context_decode_never_turns_compute_bound():
 # A model small enough to count by hand: vocab 10, dim 4, one layer, 2 query heads of 2, 1 KV head, FFN 8.
 #   layer: q 4x4 + k 4x2 + v 4x2 + o 4x4 = 48, SwiGLU 3 x 4x8 = 96, two norm gains 2 x 4 = 8 -> 152
 #   final norm 4; embedding 10x4 = 40; untied LM head another 40. KV per token: 2 x 1 x 1 x 2 x 2 B = 8 B.
-HAND = dict(vocab_size=10, dim=4, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=2, ffn_dim=8)
+HAND = dict(vocab_size=10, dim=4, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=2, ffn_dim=8, rope_theta=10000.0,
+            max_seq_len=16)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -90,7 +92,7 @@ def test_decode_step_is_bandwidth_bound_at_batch_1_and_compute_bound_past_the_ri
     assert decode_step_seconds(LLAMA3_8B, "H200", 2, big) == big * decode_flops_per_token(LLAMA3_8B, 0) / gpu["flops"]
 
 
-@pytest.mark.parametrize("cfg", [LLAMA2_7B, ModelConfig()])                 # untied and tied
+@pytest.mark.parametrize("cfg", [LLAMA2_7B, SMOLLM2_135M])                 # untied and tied
 def test_prefill_flops_are_the_decode_flops_of_every_position_less_all_but_one_lm_head(cfg):
     tokens = 37
     head = 2 * cfg.vocab_size * cfg.dim

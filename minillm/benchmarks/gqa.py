@@ -7,6 +7,7 @@ from ..evaluate import perplexity
 from ..gqa import convert_kv_heads
 from ..kv_cache import KVCache, kv_cache_bytes
 from ..model import ModelConfig
+from ..shapes import SMOLLM2_135M
 from .common import document
 
 NAME = "gqa"
@@ -60,7 +61,7 @@ def run(quick: bool) -> dict:
         results.append(row)
         summary["ppl"][f"kv{kv}"] = ppl
         summary["max_batch"][f"kv{kv}"] = row["max_batch_1GiB_2048"]
-    mha = ModelConfig(n_kv_heads=9)
+    mha = SMOLLM2_135M.replace(n_kv_heads=9)
     summary["max_batch"]["kv9_mha"] = max_batch(mha, budget, seq_len)
     results.append({"part": "smollm2", "variant": "MHA-9 (if it had been trained so)", "kv_heads": 9,
                     "KiB_per_token_bf16": kv_cache_bytes(30, 9, 64, 1, 1, 2) / 1024,
