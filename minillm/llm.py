@@ -34,8 +34,17 @@ from .sampling import SamplingParams, make_generator
 _request_counter = itertools.count()
 
 
+def module_dtype(model, dtype: str | None) -> str:
+    """The dtype a passed-in module runs in: its own; `dtype`, if given, must name the same."""
+    own = str(model.embed.weight.dtype).removeprefix("torch.")
+    if dtype not in (None, "auto") and dtype != own:
+        raise ValueError(f"dtype = {dtype!r} but the model passed in is {own}: leave dtype out (a module runs in "
+                         f"its own dtype) or convert the module first (model.to(torch.{dtype}))")
+    return own
+
+
 class LLM:
-    def __init__(self, model: str = "smollm2", dtype: str = "float32", device: str = "auto",
+    def __init__(self, model: str = "smollm2", dtype: str | None = None, device: str = "auto",
                  max_model_len: int = 2048, attention_backend: str = "sdpa",
                  quantization: str | None = None, speculative_method: str | None = None,
                  num_speculative_tokens: int = 5, block_size: int = 16, num_kv_blocks: int | None = None,
@@ -48,6 +57,8 @@ class LLM:
         validated there before the model loads: llm.engine_config.
         model: "smollm2", a .gguf path or an HF folder; or an already-built minillm Llama
         module together with its `tokenizer` (tests use a tiny random model this way).
+        dtype: None (the default) is "float32" for a checkpoint loaded here and the module's own
+        dtype for a module ("auto" too); a module of another dtype than the one asked for is refused.
         prefix_cache: the index enable_prefix_caching uses, "hash" (vLLM's block hashes) or
         "radix" (SGLang's radix tree); "radix" without enable_prefix_caching is refused.
         tensor_parallel_size / pipeline_parallel_size > 1: the model is split over that many
@@ -62,6 +73,7 @@ class LLM:
         recorded default (MKL for fp32: F.linear's bits) and times nothing."""
         from .model import Llama
 
+        dtype = module_dtype(model, dtype) if isinstance(model, Llama) else dtype or "float32"
         self.engine_config = EngineConfig.from_kwargs(
             dtype=dtype, device=device, max_model_len=max_model_len, attention_backend=attention_backend,
             quantization=quantization, speculative_method=speculative_method,

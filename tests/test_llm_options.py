@@ -30,3 +30,17 @@ def test_speculative_llm_greedy_equals_plain(smollm2_path, llm, method):
 def test_bad_options(smollm2_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(model=str(smollm2_path), device="cpu", **kwargs)
+
+
+def test_a_module_runs_in_its_own_dtype_and_another_dtype_asked_for_is_refused():
+    import torch
+
+    from helpers import CharTokenizer
+    from minillm.model import random_model, tiny_config
+
+    bf16 = random_model(tiny_config(), seed=0).to(torch.bfloat16)
+    for asked in (None, "auto", "bfloat16"):
+        llm = LLM(model=bf16, tokenizer=CharTokenizer(), device="cpu", max_model_len=64, dtype=asked)
+        assert llm.engine_config.run.dtype == "bfloat16" and llm.model.embed.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype = 'float32' but the model passed in is bfloat16"):
+        LLM(model=bf16, tokenizer=CharTokenizer(), device="cpu", max_model_len=64, dtype="float32")
