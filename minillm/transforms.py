@@ -35,7 +35,6 @@ def fuse_projections(model: Llama) -> Llama:
 
 CACHE_LINE_BYTES = 64        # x86's cache line: one block row of gemv_blocks
 HUGE_PAGE_BYTES = 2 << 20    # x86-64's transparent huge page
-MADV_HUGEPAGE = 14           # Linux madvise(2) advice
 
 
 def gemv_blocks(weights: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -70,21 +69,39 @@ def gemv_blocks(weights: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """An uninitialised uint8 buffer (nbytes,), starting at a huge-page boundary, whose pages Linux is
-    asked to back with transparent huge pages (madvise MADV_HUGEPAGE, before any page is touched:
-    the first write then faults in 2 MB at a time). Elsewhere, or where THP is off, a plain buffer."""
-    import ctypes
-    import sys
+    asked to back with transparent huge pages. The memory is a fresh anonymous mapping of its own
+    (mmap), advised (MADV_HUGEPAGE) before any page is touched, so the first write faults in 2 MB at
+    a time; memory from torch's allocator could be heap pages touched before, which stay 4 KB. Where
+    the OS has no such advice or THP is off, a plain buffer."""
+    import mmap
 
-    plain = torch.empty(nbytes, dtype=torch.uint8)
-    if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE_BYTES or "[never]" in _thp_mode():
-        return plain
-    del plain
-    raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)    # room to align the start
+    if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE_BYTES or "[never]" in _thp_mode():
+        return torch.empty(nbytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # + room to align
+    region.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(region, dtype=torch.uint8)                  # keeps the mapping alive
     start = -raw.data_ptr() % HUGE_PAGE_BYTES
-    length = nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES               # whole huge pages inside the buffer
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(length), MADV_HUGEPAGE)   # advice only
     return raw[start:start + nbytes]
+
+
+def huge_page_kb(t: torch.Tensor) -> int:
+    """How many kB of the mapping that holds t's memory Linux backs with transparent huge pages
+    (AnonHugePages in /proc/self/smaps); 0 where there is no such file."""
+    address = t.data_ptr()
+    try:
+        smaps = open("/proc/self/smaps")
+    except OSError:
+        return 0
+    inside = False
+    with smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and ":" not in head:                        # a mapping's first line: lo-hi ...
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
 
 
 def _thp_mode() -> str:

@@ -244,27 +244,29 @@ def test_the_blocked_gemv_equals_the_row_wise_one_compiled_and_eager(dtype):
         torch.testing.assert_close(got.double(), want, **tol)
 
 
-def anon_huge_kb(address: int) -> int:
-    """AnonHugePages (kB) of this process's mapping that holds `address` (/proc/self/smaps)."""
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    return 0
-
-
 def test_the_row_blocks_live_in_huge_pages_where_linux_gives_them():
-    """A decode step streams every weight once: gemv_blocks puts the copies in one buffer advised for
-    transparent huge pages, so the step crosses a page every 2 MB, not every 4 KB."""
-    from minillm.transforms import _thp_mode, gemv_blocks
+    """A decode step streams every weight once: gemv_blocks puts the copies in one fresh mapping advised for
+    transparent huge pages, so the step crosses a page every 2 MB, not every 4 KB. Checked in this process
+    after heap churn (freed chunks of the buffer's size, which malloc would hand back touched) and in a
+    fresh one."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from minillm.transforms import _thp_mode, gemv_blocks, huge_page_kb
 
     if not sys.platform.startswith("linux") or not ("[always]" in _thp_mode() or "[madvise]" in _thp_mode()):
         pytest.skip(f"transparent huge pages are off here ({_thp_mode().strip() or 'no THP'})")
+    for _ in range(2):
+        chunks = [torch.randn(5 << 20 >> 2) for _ in range(8)]
+        del chunks
     weights = [torch.randn(1024, 1024) for _ in range(4)]                         # 16 MB of copies
     blocks = gemv_blocks(weights)
     assert all(torch.equal(b.transpose(1, 2).reshape(1024, 1024), w) for b, w in zip(blocks, weights))
-    assert anon_huge_kb(blocks[0].data_ptr()) >= 8 * 1024                         # most of the 16 MB
+    assert huge_page_kb(blocks[0]) >= 8 * 1024                                    # most of the 16 MB
+    code = ("import torch\nfrom minillm.transforms import gemv_blocks, huge_page_kb\n"
+            "print(huge_page_kb(gemv_blocks([torch.randn(1024, 1024) for _ in range(4)])[0]))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) >= 8 * 1024
