@@ -61,7 +61,7 @@ def gemv_blocks(weights: list[torch.Tensor]) -> list[torch.Tensor]:
             continue
         (n_out, n_in), R = w.shape, rows(w)
         copy = arena[offset:offset + w.numel() * w.element_size()].view(w.dtype).view(n_out // R, n_in, R)
-        copy.copy_(w.view(n_out // R, R, n_in).transpose(1, 2))
+        copy.copy_(w.reshape(n_out // R, R, n_in).transpose(1, 2))
         out.append(copy)
         offset += n
     return out
