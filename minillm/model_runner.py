@@ -333,10 +333,10 @@ class ModelRunner:
         return out, packed_head
 
     def _compiled_weights(self) -> tuple[list | None, torch.Tensor | None]:
-        """-> per layer the weights of the compiled decode step, and the tied LM head (None: untied or
-        quantised). A float model whose fused projections are bias-free nn.Linears: copies in row
-        blocks (transforms.gemv_blocks, NEW); a quantised one: its int8/int4 packs; (None, None) where
-        a projection is neither."""
+        """-> per layer the weights of the compiled decode step, and the tied LM head (None: untied).
+        A float model whose fused projections are bias-free nn.Linears: copies in row blocks, the head
+        too (transforms.gemv_blocks, NEW); a quantised one: its int8/int4 packs and the head as it is;
+        (None, None) where a projection is neither."""
         model, layers = self.model, []
         for layer, eager in zip(model.layers, self.layer_weights):
             attn, ffn = layer.attn, layer.ffn

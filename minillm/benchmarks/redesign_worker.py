@@ -57,16 +57,13 @@ def chat_prompt(llm, copy: bool = False) -> str:
 
 
 def build_16bit(llm) -> str:
-    """Which compiled 2-byte decode build this side runs: "row blocks" (the engine's one build, over
-    transforms.gemv_blocks), the engine's tuned choice (a tree between), or what the contiguous path
-    chose at its first 2-byte step (before); "" for fp32 weights."""
+    """Which compiled 2-byte decode build this side runs: "row blocks" (after: the engine's one build,
+    over transforms.gemv_blocks), or what the contiguous path chose at its first 2-byte step (before);
+    "" for fp32 weights."""
     if llm.model.embed.weight.element_size() != 2:
         return ""
-    runner = llm.engine.runner
-    if getattr(runner, "decode_head", None) is not None:
+    if getattr(llm.engine.runner, "decode_head", None) is not None:
         return "row blocks"
-    if hasattr(runner, "decode_build"):
-        return runner.decode_build
     from minillm.fast_decode import chosen_16bit_builds
     return ",".join(sorted(set(chosen_16bit_builds().values())))
 
