@@ -17,7 +17,7 @@ $(STAMP): requirements.txt
 setup: $(STAMP)
 
 model: setup
-	$(PY) -c "from minillm.loader import fetch_smollm2; print('model:', fetch_smollm2())"
+	$(PY) -c "from minillm.loading.loader import fetch_smollm2; print('model:', fetch_smollm2())"
 
 demo: model
 	$(PY) -m minillm demo

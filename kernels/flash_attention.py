@@ -1,4 +1,4 @@
-"""FlashAttention forward in Triton. Plain-PyTorch twin: minillm/flash_attention.py:flash_attention_torch.
+"""FlashAttention forward in Triton. Plain-PyTorch twin: minillm/attention/flash.py:flash_attention_torch.
 
 Grid: (cdiv(Tq, BLOCK_M), B * Hq). One program owns BLOCK_M query rows of one query head,
 keeps them in SRAM/registers, streams the K and V tiles of its KV head past them and never
@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernel_args import (INTERPRETED, LOG2E, MAX_HEAD_DIM, check_attention_inputs, check_kernel_device,
+from minillm.kernel_support.args import (INTERPRETED, LOG2E, MAX_HEAD_DIM, check_attention_inputs, check_kernel_device,
                                  override_tiles)
-from minillm.kernel_tuning import choose_config, length_bucket
+from minillm.kernel_support.tuning import choose_config, length_bucket
 
 
 @triton.jit
@@ -133,7 +133,7 @@ def _attn_fwd(Q, K, V, O, LSE,
 
 
 # (block_m, block_n, num_warps, num_stages): the first that fits shared memory is the default; on CUDA
-# the first TUNED that fit are timed once per shape bucket (minillm/kernel_tuning.py), the fastest kept
+# the first TUNED that fit are timed once per shape bucket (minillm/kernel_support/tuning.py), the fastest kept
 GPU_CONFIGS = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 128, 4, 3), (64, 32, 4, 2),
                (32, 32, 4, 1), (16, 16, 2, 1)]
 SHARED_MEMORY_BUDGET = 160 * 1024          # bytes; below the 228 KiB an H100/H200 SM has, with room to spare

@@ -1,5 +1,5 @@
 """FlashAttention backward in Triton (FlashAttention-2's split). Plain-PyTorch twin:
-minillm/flash_attention.py:flash_attention_backward_torch. Forward: kernels/flash_attention.py.
+minillm/attention/flash.py:flash_attention_backward_torch. Forward: kernels/flash_attention.py.
 
 The forward kept only O and the (B, Hq, Tq) log-sum-exp; every probability is rebuilt here,
 tile by tile, as P = exp(S - LSE) with S = Q K^T * sm_scale. With D_i = rowsum(dO_i * O_i):
@@ -22,7 +22,7 @@ positions); tiles wholly above the diagonal are skipped; edges and head-dim padd
 accumulation and IEEE fp32 dots; bf16 tiles upcast under the interpreter (triton #11584).
 Unlike the forward, every tile here is masked (no separate unmasked loop): simpler, and this
 kernel's GPU speed has not been measured yet. Its tiles are chosen per shape by timing on CUDA
-(fitting_configs, minillm/kernel_tuning.py).
+(fitting_configs, minillm/kernel_support/tuning.py).
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernel_args import (INTERPRETED, LOG2E, MAX_HEAD_DIM, check_attention_inputs, check_kernel_device,
+from minillm.kernel_support.args import (INTERPRETED, LOG2E, MAX_HEAD_DIM, check_attention_inputs, check_kernel_device,
                                  override_tiles)
-from minillm.kernel_tuning import choose_config, length_bucket
+from minillm.kernel_support.tuning import choose_config, length_bucket
 
 
 @triton.jit
@@ -200,7 +200,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
 
 
 # (block_m, block_n, num_warps, num_stages): the first that fits shared memory is the default; on CUDA
-# the first TUNED that fit are timed once per shape bucket (minillm/kernel_tuning.py), the fastest kept
+# the first TUNED that fit are timed once per shape bucket (minillm/kernel_support/tuning.py), the fastest kept
 GPU_CONFIGS = [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 3), (32, 32, 4, 1),
                (16, 16, 2, 1)]
 SHARED_MEMORY_BUDGET = 160 * 1024          # bytes; as the forward

@@ -1,11 +1,11 @@
 """Paged attention in Triton: store new K/V through the slot mapping, decode over block tables.
 
-Plain-PyTorch twins in minillm/paged_attention.py: store_kv_reference (the store),
+Plain-PyTorch twins in minillm/attention/paged.py: store_kv_reference (the store),
 paged_attention_split (the decode kernel's tiles and split-K merge) and
 paged_attention_reference (the gather-then-softmax definition of right).
 
 Cache layout per layer: k_cache, v_cache (num_blocks, block_size, Hkv, D); see
-minillm/paged_attention.py.
+minillm/attention/paged.py.
 
 store_kv: grid (T,). Program t copies token t's (Hkv, D) row of K and of V to its slot
 (slot = block * block_size + offset); slot -1 marks padding and is skipped.
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernel_args import (INTERPRETED, KERNEL_DTYPES, LOG2E, MAX_HEAD_DIM, check_kernel_device,
+from minillm.kernel_support.args import (INTERPRETED, KERNEL_DTYPES, LOG2E, MAX_HEAD_DIM, check_kernel_device,
                                  check_paged_attention_args)
 
 

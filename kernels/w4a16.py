@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minillm.kernel_args import INTERPRETED, W4A16_MODES, check_kernel_device, override_tiles, w4a16_tile_k
+from minillm.kernel_support.args import INTERPRETED, W4A16_MODES, check_kernel_device, override_tiles, w4a16_tile_k
 
 
 @triton.jit

@@ -30,7 +30,7 @@ byte, first in the high nibble), so word j of a tile holds columns 8j .. 8j+7 an
 prepared (minillm/quant/w4a16.py:gemv_words): within each tile of 8 * WORDS columns, nibble i of word j
 is column i * WORDS + j, so nibble i of the whole tile is a contiguous run of x (vector loads). This is
 the idea of Marlin's offline reshuffle (arrange the bytes for the kernel that reads them), cut down to
-what a Triton kernel can use. tests/test_kernels_sm90.py compiles it for Hopper here and checks the
+what a Triton kernel can use. tests/kernel_support/test_kernels_sm90.py compiles it for Hopper here and checks the
 instructions it became.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.w4a16 import split_k_plan, split_output, sum_splits
-from minillm.kernel_args import W4A16_MODES, check_kernel_device, w4a16_tile_k
+from minillm.kernel_support.args import W4A16_MODES, check_kernel_device, w4a16_tile_k
 
 FLOAT_2_POW_23 = tl.constexpr(0x4B000000)   # bits of the float 2^23: its mantissa's lowest bit is worth 1
 MAX_GEMV_ROWS = 8                           # above this, tensor cores (kernels/w4a16.py) do the products

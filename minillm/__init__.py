@@ -1,7 +1,7 @@
 """minillm: LLM inference optimisation built from scratch, proven against a naive baseline.
 
 The public names load on first use (PEP 562), so importing a part of the package that does not
-need the engine (`python -m minillm lab list`, the kernels' minillm/kernel_args.py) does not
+need the engine (`python -m minillm lab list`, the kernels' minillm/kernel_support/args.py) does not
 import torch and the whole engine with it.
 """
 import importlib
@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING
 __all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
 
-_DEFINED_IN = {"LLM": ".llm", "SamplingParams": ".sampling", "GuidedDecodingParams": ".sampling",
-               "RequestOutput": ".outputs",
-               "CompletionOutput": ".outputs", "Logprob": ".outputs"}
+_DEFINED_IN = {"LLM": ".llm", "SamplingParams": ".engine.sampling", "GuidedDecodingParams": ".engine.sampling",
+               "RequestOutput": ".engine.outputs",
+               "CompletionOutput": ".engine.outputs", "Logprob": ".engine.outputs"}
 
 if TYPE_CHECKING:                      # for editors and type checkers; at run time __getattr__ imports them
     from .llm import LLM
-    from .outputs import CompletionOutput, Logprob, RequestOutput
-    from .sampling import GuidedDecodingParams, SamplingParams
+    from .engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from .engine.sampling import GuidedDecodingParams, SamplingParams
 
 
 def __getattr__(name: str):

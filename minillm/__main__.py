@@ -26,8 +26,8 @@ def _generate(args) -> None:
 
 
 def _bench(args) -> None:
-    from . import benchmarks
-    from .benchmarks.common import format_table, write_json
+    from minillm.course import benchmarks
+    from minillm.course.benchmarks.common import format_table, write_json
 
     module = benchmarks.load(args.name)
     kwargs = {}
@@ -50,14 +50,14 @@ def _bench(args) -> None:
 
 
 def _demo(args) -> None:
-    from .demo import main
+    from minillm.course.demo import main
 
     main(model=args.model, dtype=args.dtype, max_tokens=args.max_tokens)
 
 
 def _serve(args) -> None:
     from . import LLM
-    from .server import serve
+    from minillm.serving.server import serve
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
@@ -75,14 +75,14 @@ def _serve(args) -> None:
 
 
 def _figures(args) -> None:
-    from .figures import draw_all
+    from minillm.course.figures import draw_all
 
     for path in draw_all(args.out, quick=args.quick):
         print(f"wrote {path}")
 
 
 def _quiz(args) -> None:
-    from .quiz import BANK, run
+    from minillm.course.quiz import BANK, run
 
     run(lesson=args.lesson, seed=args.seed, lang=args.lang, bank=args.bank or BANK)
 
@@ -166,15 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--quick", action="store_true", help="a tiny random model for the speculative run")
     f.set_defaults(func=_figures)
 
-    from .labs import add_lab_parser
-    add_lab_parser(sub)                     # lab {list, make, grade}: minillm/labs/
+    from minillm.course.labs import add_lab_parser
+    add_lab_parser(sub)                     # lab {list, make, grade}: minillm/course/labs/
 
     q = sub.add_parser("quiz", help="interview drill: a question, Enter, its answer with the numbers behind it")
     q.add_argument("--lesson", type=int, default=None, help="only this lesson's questions (default: all)")
     q.add_argument("--seed", type=int, default=None, help="shuffle with this seed (default: lesson order)")
     q.add_argument("--lang", default="en", choices=("en", "zh"),
                    help="zh: the article's Chinese question, where there is one")
-    q.add_argument("--bank", default=None, help="another question bank in minillm/quiz_bank.toml's format")
+    q.add_argument("--bank", default=None, help="another question bank in minillm/course/quiz_bank.toml's format")
     q.set_defaults(func=_quiz)
     return parser
 

@@ -22,10 +22,10 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from .block_manager import check_prefix_cache
-from .cuda_graphs import check_enforce_eager
-from .model import check_attention_backend
-from .model_runner import KV_CACHE_DTYPES, PagedKVCache
+from minillm.kvcache.block_manager import check_prefix_cache
+from minillm.model.cuda_graphs import check_enforce_eager
+from minillm.model.llama import check_attention_backend
+from minillm.model.runner import KV_CACHE_DTYPES, PagedKVCache
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30        # 1 GiB of K/V when num_kv_blocks is not given (more blocks with int8)
 
@@ -82,13 +82,13 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str | None = None                   # None: no drafts; "ngram" or "draft" (minillm/speculative.py)
+    method: str | None = None                   # None: no drafts; "ngram" or "draft" (minillm/speculative/core.py)
     num_speculative_tokens: int = 5
     policy: str = "adaptive"                    # "adaptive": as many drafts as pay at the batch; "always": k
 
     def __post_init__(self):
         if self.method is not None:
-            from .speculative import check_args, check_policy
+            from minillm.speculative.core import check_args, check_policy
             check_args(self.method, self.num_speculative_tokens)
             check_policy(self.policy)
 

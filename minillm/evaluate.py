@@ -21,7 +21,7 @@ import math
 import re
 from pathlib import Path
 
-from .sampling import SamplingParams
+from minillm.engine.sampling import SamplingParams
 
 
 def _paragraphs(calibration: bool) -> list[str]:

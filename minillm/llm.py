@@ -5,7 +5,7 @@
     outs[0].outputs[0].text
 
 This file is the front end: it validates and tokenises, then hands every request to the one
-engine (minillm/engine.py), one prompt or many, generate, stream or chat alike. The engine
+engine (minillm/engine/engine.py), one prompt or many, generate, stream or chat alike. The engine
 schedules, runs the model and, through the output processor, samples and detokenises.
 """
 from __future__ import annotations
@@ -17,17 +17,17 @@ from typing import Iterator
 
 import torch
 
-from .transforms import fuse_projections
+from minillm.model.transforms import fuse_projections
 from .config import EngineConfig, check_model
-from .engine import Engine
-from .speculative_engine import EngineSpeculation
-from .loader import load_model, resolve_device
-from .output_processor import OutputProcessor
-from .outputs import RequestMetrics, RequestOutput
-from .positions import RopeTable
-from .quant.linear import QuantLinear
-from .request import Request
-from .sampling import SamplingParams, make_generator
+from minillm.engine.engine import Engine
+from minillm.speculative.engine import EngineSpeculation
+from minillm.loading.loader import load_model, resolve_device
+from minillm.engine.output_processor import OutputProcessor
+from minillm.engine.outputs import RequestMetrics, RequestOutput
+from minillm.model.positions import RopeTable
+from minillm.quant.linear import QuantLinear
+from minillm.engine.request import Request
+from minillm.engine.sampling import SamplingParams, make_generator
 
 # Process-wide, not per LLM: request ids stay unique when requests made by one LLM meet another's in
 # an engine or a log (tests, notebooks and benchmarks build several LLMs around one model).
@@ -65,13 +65,13 @@ class LLM:
         processes (minillm/parallel, lesson 11), started here and stopped by close().
         speculative_method: drafts are proposed and verified inside the engine's steps, for one request or many;
         speculative_policy "adaptive" gives each request as many drafts as pay at the step's batch
-        size (minillm/speculative_engine.py), "always" num_speculative_tokens every step.
+        size (minillm/speculative/engine.py), "always" num_speculative_tokens every step.
         enforce_eager: False (vLLM's default) replays a CUDA graph for every decode-only step on a GPU
-        (minillm/cuda_graphs.py); True runs every step op by op.
+        (minillm/model/cuda_graphs.py); True runs every step op by op.
         tune_kernels: building the engine times the CPU GEMM libraries per weight shape once
-        (minillm/prepacked.py; recorded in llm.engine.runner.gemm_libraries); False takes the
+        (minillm/model/prepacked.py; recorded in llm.engine.runner.gemm_libraries); False takes the
         recorded default (MKL for fp32: F.linear's bits) and times nothing."""
-        from .model import Llama
+        from minillm.model.llama import Llama
 
         dtype = module_dtype(model, dtype) if isinstance(model, Llama) else dtype or "float32"
         self.engine_config = EngineConfig.from_kwargs(
@@ -102,7 +102,7 @@ class LLM:
         self._engine = None                  # built on first use: it allocates the KV pool
         parallel = self.engine_config.parallel
         if parallel.mode is not None:        # last, so that no check above can fail with workers running
-            from .parallel.workers import start
+            from minillm.parallel.workers import start
             source = None if isinstance(model, Llama) else str(model)      # how the workers get the weights
             self.parallel, self.model = start(self.model, source, parallel.mode, parallel.size, dtype, self.device)
             weakref.finalize(self, self.parallel.close)
@@ -216,7 +216,7 @@ class LLM:
         if self.speculative_method is not None:
             raise ValueError(f"guided_decoding with speculative_method = {self.speculative_method!r} is not "
                              f"supported (drafted tokens would need the grammar too); use speculative_method=None")
-        from .guided.guide import GuideState, check_jump_forward, compile_guide
+        from minillm.guided.guide import GuideState, check_jump_forward, compile_guide
 
         if guided.jump_forward:
             check_jump_forward(self.tokenizer)

@@ -29,7 +29,7 @@ SESSION_RECORDER = "minillm_session_outcomes"
 def pytest_configure(config):
     """The lab grader's Recorder watches this run too, selecting everything: the labs' reference
     scores (test_labs.py) come from these outcomes instead of running the same tests again."""
-    from minillm.labs.pytest_plugin import Recorder
+    from minillm.course.labs.pytest_plugin import Recorder
 
     class SessionRecorder(Recorder):
         @pytest.hookimpl(tryfirst=True)             # every collected test, before -k or -m deselects any
@@ -84,7 +84,7 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from minillm.loader import fetch_smollm2
+    from minillm.loading.loader import fetch_smollm2
 
     return fetch_smollm2()
 
@@ -124,6 +124,6 @@ def hf_tokenizer(smollm2_path, transformers):
 
 @pytest.fixture
 def tiny_model():
-    from minillm.model import random_model, tiny_config
+    from minillm.model.llama import random_model, tiny_config
 
     return random_model(tiny_config(), seed=0)

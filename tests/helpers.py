@@ -1,11 +1,12 @@
 """Small shared pieces for tests (import as `from helpers import ...`; tests/ is on sys.path)."""
 import contextlib
 import logging
+import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minillm.reference import stream_contiguous
+from minillm.stages.reference import stream_contiguous
 
 
 class CharTokenizer:
@@ -58,7 +59,7 @@ def count_calls(monkeypatch, name, *modules) -> list:
 def alone(llm, prompts, params):
     """Each request by itself on the contiguous single-sequence path (the engine tests' reference),
     one lesson-02 decoder for all of them (a quantised model packs its weights once)."""
-    from minillm.fast_decode import FastDecoder
+    from minillm.stages.fast_decode import FastDecoder
 
     decoder = FastDecoder(llm.model, attention_backend=llm.attention_backend)
     outs = []
@@ -101,3 +102,40 @@ def symbols_created():
         yield symbols
     finally:
         log.removeHandler(handler), log.setLevel(level)
+
+
+# The teaching stages (minillm/stages/): the engine must never enter them.
+TEACHING_STAGES = {"minillm.stages.kv_cache", "minillm.stages.fast_decode", "minillm.stages.speculative_loop",
+                   "minillm.stages.reference", "minillm.stages.static_batching"}
+
+
+def modules_entered(fn, below=None) -> set[str]:
+    """minillm modules whose functions are called while fn() runs; below: a code object, then only
+    calls made inside it."""
+    seen, depth = set(), [0]
+
+    def hook(frame, event, arg):
+        if frame.f_code is below:
+            depth[0] += 1 if event == "call" else -1 if event == "return" else 0
+        if event == "call" and (below is None or depth[0] > 0):
+            name = frame.f_globals.get("__name__", "")
+            if name.startswith("minillm"):
+                seen.add(name)
+
+    sys.setprofile(hook)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson goodness of fit over the bins with p > 0 (p-value from the chi-square survival
+    function Q(df/2, x/2), the regularised upper incomplete gamma)."""
+    n = counts.sum()
+    keep = probs > 0
+    expected = n * probs[keep].double()
+    stat = ((counts[keep].double() - expected) ** 2 / expected).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))

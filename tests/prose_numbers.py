@@ -23,7 +23,7 @@ reference `[^key]`. The reference covers every figure since the previous referen
 in order, and its definition (one line, anywhere in the same file or notebook cell) says which kind:
 
     [^key]: measured in results/roofline.json: summary.bandwidth_bound_tok_s_float32; results(dtype="bfloat16").bound_tok_s
-    [^key]: counted by minillm.roofline: kv_bytes_per_token(LLAMA2_70B, 2) / 1024
+    [^key]: counted by minillm.perf.roofline: kv_bytes_per_token(LLAMA2_70B, 2) / 1024
     [^key]: published: FlashAttention README (github.com/Dao-AILab/flash-attention), "Memory" figure, A100 80GB
 
 Measured and counted footnotes list one Python expression per figure, separated by `;`.
@@ -35,7 +35,7 @@ is approximate (within 5%). A published footnote carries a citation, which the g
 beyond its presence: its figures are copied from the source by hand.
 
 Run `python tests/prose_numbers.py [FILE...]` to list every problem (default: README, lessons,
-notebooks); tests/test_lessons.py runs the same check.
+notebooks); tests/course/test_lessons.py runs the same check.
 
 The Chinese edition (README.zh.md, lessons/zh/) is checked the same way, and each Chinese file must quote
 what its English twin quotes: the same footnote definitions, and at each footnote reference the same figures
@@ -51,7 +51,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minillm import results_view
+from minillm.course import results_view
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +68,7 @@ CITATION = re.compile(r"https?://|arXiv|\b(?:paper|README|datasheet|Table|Sectio
 # Integers that are names, not results: SmolLM2-135M's shapes, round sizes, HTTP status codes, ports.
 PLAIN_CONSTANTS = {576, 1536, 49152, 3072, 1000, 10000, 100000, 200, 400, 401, 403, 404, 413, 422, 429, 500, 503, 8000, 8080}
 # Definitions and the machine's description, not results: a multiply-add is 2 FLOPs; the VMs have 24 GiB;
-# the lent H200 reports 140 GiB (minillm.notebook.machine_name, in the README's notebook column).
+# the lent H200 reports 140 GiB (minillm.course.notebook.machine_name, in the README's notebook column).
 PLAIN_PHRASES = {"2 FLOPs", "24 GiB", "140 GiB"}
 
 

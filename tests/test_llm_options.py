@@ -36,7 +36,7 @@ def test_a_module_runs_in_its_own_dtype_and_another_dtype_asked_for_is_refused()
     import torch
 
     from helpers import CharTokenizer
-    from minillm.model import random_model, tiny_config
+    from minillm.model.llama import random_model, tiny_config
 
     bf16 = random_model(tiny_config(), seed=0).to(torch.bfloat16)
     for asked in (None, "auto", "bfloat16"):

@@ -52,7 +52,7 @@ def tracked_mib() -> float:
 
 
 def main() -> None:
-    from minillm.loader import fetch_smollm2
+    from minillm.loading.loader import fetch_smollm2
 
     wheels = {name: download_wheels(GPU / name, listing) for name, listing in LISTINGS.items()}
     split_file(fetch_smollm2(), GPU / "model.1", GPU / "model.2")

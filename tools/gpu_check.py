@@ -16,7 +16,7 @@ Call 1, `make gpu-check` (carry .gpu/wheels and .gpu/model.1; run's timeout_s=43
     6. paged decode kernel on scattered 16-token pages vs the same kernel on contiguous memory
     It also installs the wheels into /tmp/site and keeps the model's first half in /tmp/minillm-gpu.
 Call 2, `make gpu-notebooks`, right after (carry .gpu/wheels.2 and .gpu/model.2; timeout_s=340; a warm machine keeps /tmp):
-    7. the model joined from its halves (sha256 checked by minillm.loader)
+    7. the model joined from its halves (sha256 checked by minillm.loading.loader)
     8. pytest on the engine's CUDA tests (Triton paged attention, CUDA graphs)
     9. every notebook executed in full mode, in order, while the time box lasts: $OUT/notebooks.tar
        (one file: a call returns at most 8) and $OUT/notebooks.json (seconds and status of each)
@@ -27,7 +27,7 @@ call 1, 300 s for call 2), so the two calls and the machine's start fit one 15-m
 Back here: `python tools/gpu_check.py unpack DIR` puts DIR's notebooks into notebooks/ and its JSON
 files into results/gpu/.
 
-Every kernel is timed by minillm/benchmarks/kernel_timing.py (CUDA events, L2 flushed before each
+Every kernel is timed by minillm/course/benchmarks/kernel_timing.py (CUDA events, L2 flushed before each
 sample; each JSON row names its method). The files it writes are *-kernel.json; the older
 *-gpu.json files were timed with perf_counter around single calls (the launch, not the kernel) and
 stay only as the example lesson 04 explains.
@@ -50,10 +50,10 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(os.environ.get("OUT", ROOT / "results" / "gpu"))
 KEEP = Path("/tmp/minillm-gpu")              # survives between the two calls while the machine is warm
 NOTEBOOK_ORDER = ["01", "02", "05", "06", "07", "04", "03", "08", "09", "12", "10", "11"]   # GPU-heavy first
-KERNEL_TESTS = ["tests/test_flash_attention.py", "tests/test_flash_attention_backward.py",
-                "tests/test_paged_attention.py", "tests/test_quant_w4a16.py", "tests/test_kernel_timing.py",
-                "tests/test_published_models.py"]
-ENGINE_TESTS = ["tests/test_engine_cuda.py", "tests/test_cuda_graphs.py"]
+KERNEL_TESTS = ["tests/attention/test_flash_attention.py", "tests/attention/test_flash_attention_backward.py",
+                "tests/attention/test_paged_attention.py", "tests/quant/test_quant_w4a16.py", "tests/course/test_kernel_timing.py",
+                "tests/model/test_published_models.py"]
+ENGINE_TESTS = ["tests/engine/test_engine_cuda.py", "tests/model/test_cuda_graphs.py"]
 
 
 def save(name: str, payload) -> None:
@@ -132,7 +132,7 @@ def keep_model_half(carried: Path = ROOT / ".gpu" / "model.1") -> None:
 
 def join_model(second: Path = ROOT / ".gpu" / "model.2", keep: Path = KEEP) -> Path:
     """The GGUF from its two halves, in MINILLM_CACHE; the loader checks its sha256."""
-    from minillm.loader import SMOLLM2, cache_dir
+    from minillm.loading.loader import SMOLLM2, cache_dir
     first = keep / "model.1"
     if not first.is_file() or not second.is_file():
         raise FileNotFoundError(f"need {first} (left by call 1, `make gpu-check`, on this warm machine) and "
@@ -223,9 +223,9 @@ def unpack(folder: Path) -> None:
 
 
 def flash_attention_step() -> dict:
-    from minillm.benchmarks import common
-    from minillm.benchmarks.flash_attention import gpu_summary, measure_gpu
-    from minillm.kernel_tuning import chosen_configs, failed_configs
+    from minillm.course.benchmarks import common
+    from minillm.course.benchmarks.flash_attention import gpu_summary, measure_gpu
+    from minillm.kernel_support.tuning import chosen_configs, failed_configs
 
     rows = measure_gpu(quick=False)
     return {"machine": common.machine_info(), "summary": gpu_summary(rows), "chosen_configs": chosen_configs(),
@@ -254,17 +254,17 @@ def kernels() -> None:
     deadline = Deadline(float(os.environ.get("GPU_CALL_SECONDS", "390")))
     import torch
 
-    from minillm.benchmarks import common
+    from minillm.course.benchmarks import common
     print(common.machine_info(), "steps:", ", ".join(chosen), flush=True)
     keep_model_half()
     # each step imports what it needs inside its own time box: one failing import costs one step, not the call
     timed = {   # name -> (what it measures, time box in s); pytest-cuda is run_pytest's
-        "w4a16-kernel": (lambda: import_module("minillm.benchmarks.quant").kernel_benchmark(quick=False), 100),
+        "w4a16-kernel": (lambda: import_module("minillm.course.benchmarks.quant").kernel_benchmark(quick=False), 100),
         "flash-attention-kernel": (flash_attention_step, 90),
-        "decode-7b-int4": (lambda: import_module("minillm.benchmarks.quant").end_to_end_decode(
+        "decode-7b-int4": (lambda: import_module("minillm.course.benchmarks.quant").end_to_end_decode(
             "llama2-7b", "cuda", new_tokens=64), 60),
-        "gpu-engine": (lambda: import_module("minillm.benchmarks.gpu_engine").run("cuda", quick=False), 120),
-        "paged-kernel": (lambda: {"rows": import_module("minillm.benchmarks.paged").kernel_paging_cost(
+        "gpu-engine": (lambda: import_module("minillm.course.benchmarks.gpu_engine").run("cuda", quick=False), 120),
+        "paged-kernel": (lambda: {"rows": import_module("minillm.course.benchmarks.paged").kernel_paging_cost(
             [(1, 4096), (8, 1024), (32, 2048), (64, 4096)])}, 30),
     }
     for name in KERNEL_STEPS:                          # always in this order (the most wanted first)
@@ -281,7 +281,7 @@ def notebooks() -> None:
     deadline = Deadline(float(os.environ.get("GPU_CALL_SECONDS", "300")))
     os.environ.setdefault("MINILLM_CACHE", str(KEEP / "cache"))
     os.environ["PYTHONPATH"] = kernel_pythonpath(os.environ.get("PYTHONPATH"))
-    from minillm.loader import fetch_smollm2
+    from minillm.loading.loader import fetch_smollm2
     join_model()
     print("model:", fetch_smollm2(), flush=True)           # raises if the joined file fails its sha256
     run_pytest(ENGINE_TESTS, "pytest-engine-cuda.log", int(os.environ.get("GPU_ENGINE_TEST_SECONDS", "90")))

@@ -6,7 +6,7 @@ JSON schema.
     guide.py: the per-request state, the logits mask each step, jump-forward decoding
 
 Used through SamplingParams(guided_decoding=GuidedDecodingParams(json=... | regex=... |
-choice=[...] | json_object=True)); OutputProcessor.append (minillm/output_processor.py) masks the logits before sampling, on every
+choice=[...] | json_object=True)); OutputProcessor.append (minillm/engine/output_processor.py) masks the logits before sampling, on every
 path (the engine, the batch-1 contiguous path, LLM.stream, the server). Guarantees: a request
 that finishes with "stop" matches its regex (its JSON validates); one cut by max_tokens (or a
 stop string) finishes with "length" (or "stop") and its text is a PREFIX of a valid output, not

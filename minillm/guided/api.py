@@ -1,4 +1,4 @@
-"""OpenAI's structured-output fields -> GuidedDecodingParams, and tool calls (minillm/server.py).
+"""OpenAI's structured-output fields -> GuidedDecodingParams, and tool calls (minillm/serving/server.py).
 
     response_format={"type": "json_schema", "json_schema": {"name", "schema", "strict"}}  -> json=schema
     response_format={"type": "json_object"}                                            -> json_object
@@ -20,7 +20,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from ..sampling import GuidedDecodingParams
+from minillm.engine.sampling import GuidedDecodingParams
 from .json_schema import KEY_SEP, literal, schema_to_regex
 
 

@@ -19,8 +19,8 @@ per-message latency (add latency_s, e.g. the gloo latency bench parallel measure
 """
 from __future__ import annotations
 
-from ..model import ModelConfig
-from ..roofline import GPUS, LLAMA3_70B, decode_bytes_per_step, decode_flops_per_token, kv_bytes_per_token, weight_bytes
+from minillm.model.llama import ModelConfig
+from minillm.perf.roofline import GPUS, LLAMA3_70B, decode_bytes_per_step, decode_flops_per_token, kv_bytes_per_token, weight_bytes
 
 # Published per-direction bandwidth of one GPU's link, bytes/s:
 #   NVLink 4 (H100/H200 SXM): 900 GB/s per GPU, both directions together -> 450 GB/s each way

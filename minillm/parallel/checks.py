@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model import random_model
+from minillm.model.llama import random_model
 from . import comm
 
 

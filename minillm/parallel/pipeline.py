@@ -23,9 +23,9 @@ from dataclasses import replace
 
 import torch
 
-from ..model import Llama
-from ..model_runner import PagedBatch, build_batch
-from ..positions import rope_cos_sin
+from minillm.model.llama import Llama
+from minillm.model.runner import PagedBatch, build_batch
+from minillm.model.positions import rope_cos_sin
 from .comm import recv, send
 
 

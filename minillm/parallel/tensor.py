@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..model import Llama, ModelConfig
+from minillm.model.llama import Llama, ModelConfig
 from .comm import all_gather_last, all_reduce
 
 

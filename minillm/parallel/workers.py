@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..transforms import fuse_projections
-from ..model import Llama
-from ..model_runner import ModelRunner, PagedKVCache
-from ..positions import RopeTable
+from minillm.model.transforms import fuse_projections
+from minillm.model.llama import Llama
+from minillm.model.runner import ModelRunner, PagedKVCache
+from minillm.model.positions import RopeTable
 from .comm import COUNTS, broadcast_object, reset_counts
 from .pipeline import pipeline_step, split_batch, stage_model
 from .tensor import shard_model
@@ -71,7 +71,7 @@ def model_source(model: Llama, name: str | None) -> tuple:
 
 def _load(source: tuple, dtype: str, device) -> Llama:
     if source[0] == "load":
-        from ..loader import load_model
+        from minillm.loading.loader import load_model
         return load_model(source[1], dtype=dtype, device=device)[0]
     _, cfg, weights = source
     with torch.device("meta"):

@@ -31,7 +31,7 @@ LLM_CALIBRATION_WINDOWS = {"gptq": 32, "awq": CALIBRATION_WINDOWS}
 CALIBRATION_WINDOW = 512       # tokens per window
 
 
-FUSED = (("attn", "wqkv"), ("ffn", "w_gate_up"))   # minillm/fast_decode.py's fused projections
+FUSED = (("attn", "wqkv"), ("ffn", "w_gate_up"))   # minillm/stages/fast_decode.py's fused projections
 
 
 def drop_fused_projections(model) -> None:
@@ -162,7 +162,7 @@ def calibration_windows(tokenizer, n_windows: int = CALIBRATION_WINDOWS, window:
                      Cached under loader.cache_dir()/calibration (cache=False: always generate);
     "mixed"          n_windows - n_windows // 2 python-docs windows, then n_windows // 2 model samples.
     Deterministic: the same arguments (and model weights) give the same windows."""
-    from ..evaluate import calibration_text, token_windows
+    from minillm.evaluate import calibration_text, token_windows
 
     if source not in CALIBRATION_SOURCES:
         raise ValueError(f"calibration source {source!r} is unknown; allowed: {', '.join(map(repr, CALIBRATION_SOURCES))}")
@@ -197,8 +197,8 @@ def model_samples(model, n_windows: int, window: int, *, start_token: int = 0, s
     """(n_windows, window) token ids the model samples after `start_token`, over a KV cache
     (kv_cache.forward_cached), `batch` windows at a time; EOS does not stop a window.
     Window i draws from its own torch.Generator seeded with seed * 1_000_003 + i."""
-    from ..kv_cache import KVCache, forward_cached
-    from ..sampling import SamplingParams, filtered_probs
+    from minillm.stages.kv_cache import KVCache, forward_cached
+    from minillm.engine.sampling import SamplingParams, filtered_probs
 
     if window < 2:
         raise ValueError(f"window = {window} is invalid; allowed: an integer >= 2")
@@ -237,7 +237,7 @@ def model_fingerprint(model) -> str:
 def cached_model_samples(model, n_windows: int, window: int, **kw) -> torch.Tensor:
     """model_samples, generated once per (model weights, arguments) and kept under
     loader.cache_dir()/calibration; a clean machine regenerates them."""
-    from ..loader import cache_dir
+    from minillm.loading.loader import cache_dir
 
     key = _cache_key(model_fingerprint(model), n_windows, window, sorted(kw.items()))
     path = cache_dir() / "calibration" / f"model-samples-{key}.pt"
@@ -321,7 +321,7 @@ def load_quantized(model_or_cfg, path, device="cpu"):
     weights are replaced), a ModelConfig, or None (the config stored in the file)."""
     from safetensors import safe_open
 
-    from ..model import Llama, ModelConfig
+    from minillm.model.llama import Llama, ModelConfig
 
     with safe_open(str(path), framework="pt") as f:
         raw = (f.metadata() or {}).get("minillm_quant")

@@ -25,7 +25,7 @@ How our stored formats map onto the kernels, exactly:
   nf4    not here: its 16 levels are not evenly spaced, so it cannot be written as (q - 8) * s + o
          and stays on the reference path.
 
-Precision (why tests/test_quant_fast.py allows what it allows):
+Precision (why tests/quant/test_quant_fast.py allows what it allows):
   fp32 x: s (fp16) and o = (8 - z) * s (<= 15 significant bits) are exact in fp32, so the kernel's
           weights are bit-identical to dequantize(); only the order of the sum differs.
   bf16 x: the kernels take s (and o) in bf16, each rounded by at most 2^-8 relative, where the
@@ -164,7 +164,7 @@ def packed_linear(x: torch.Tensor, layer) -> torch.Tensor:
 
 
 
-# ---- fused packs for the compiled decode step (minillm/fast_decode.py, item 8) --------------------
+# ---- fused packs for the compiled decode step (minillm/stages/fast_decode.py, item 8) --------------------
 
 def fused_pack(layers: list, dtype: torch.dtype) -> tuple | None:
     """Layers that read the same input (wq, wk, wv; w_gate, w_up) as ONE kernel call: their packs

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..positions import rope_cos_sin
+from minillm.model.positions import rope_cos_sin
 
 SUBLAYER_GROUPS = (("attn.wq", "attn.wk", "attn.wv"), ("attn.wo",), ("ffn.w_gate", "ffn.w_up"), ("ffn.w_down",))
 

@@ -16,14 +16,14 @@ Decode (a few rows of x) runs kernels/w4a16_gemv.py instead: int32 words of 8 co
 interleaved once at load time (gemv_words), scale and zero applied once per tile; its twin here is
 w4a16_gemv_torch. A QuantLinear reaches the kernels through operands (its tensors in the matmul's
 terms) and w4a16_linear, which picks the kernel and its tile configuration (choose_config); the tile
-width comes from minillm/kernel_args.py, shared with the kernels.
+width comes from minillm/kernel_support/args.py, shared with the kernels.
 """
 from __future__ import annotations
 
 import torch
 
-from ..kernel_args import w4a16_tile_k
-from ..kernel_tuning import choose_config
+from minillm.kernel_support.args import w4a16_tile_k
+from minillm.kernel_support.tuning import choose_config
 
 
 def dequant_tile(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, code: torch.Tensor | None) -> torch.Tensor:
@@ -121,7 +121,7 @@ def supports(layer) -> bool:
     return False
 
 
-# Configurations QuantLinear's kernels choose from on CUDA (minillm/kernel_tuning.py), the first being the
+# Configurations QuantLinear's kernels choose from on CUDA (minillm/kernel_support/tuning.py), the first being the
 # one used where nothing can be timed (CPU under the interpreter, inside a CUDA graph capture).
 GEMV_LAYOUT = 1                      # words QuantLinear's GEMV reads; bench quant times both layouts
 # GEMV tiles: more rows per thread (BLOCK_N / 32 / num_warps) share each converted x value, fewer

@@ -12,13 +12,13 @@ Set `MINILLM_QUICK=1` to shrink the measurements (CI does); unset it for the ful
 import time
 import torch
 import matplotlib.pyplot as plt
-from minillm import roofline
-from minillm.loader import load_model
-from minillm.kv_cache import generate_greedy_naive
-from minillm.fast_decode import generate_greedy_fast
-from minillm.benchmarks.common import time_median
-from minillm.notebook import start
-from minillm.benchmarks.roofline import weights_only_step
+from minillm.perf import roofline
+from minillm.loading.loader import load_model
+from minillm.stages.kv_cache import generate_greedy_naive
+from minillm.stages.fast_decode import generate_greedy_fast
+from minillm.course.benchmarks.common import time_median
+from minillm.course.notebook import start
+from minillm.course.benchmarks.roofline import weights_only_step
 
 device, QUICK = start()                        # cuda when present; prints the machine
 """),
@@ -28,12 +28,12 @@ device, QUICK = start()                        # cuda when present; prints the m
 At batch 1, decode multiplies every weight matrix by one vector: each weight is read once and used
 for one multiply-add (2 FLOPs). In fp32 that is 2 FLOPs per 4 bytes, **0.5 FLOP/byte**[^fp32-ai].
 
-[^fp32-ai]: counted by minillm.roofline: 2 / 4
+[^fp32-ai]: counted by minillm.perf.roofline: 2 / 4
 
 Count it by hand first, from the loaded model: one multiply-add per weight, plus attention's two
 dot products per cached key and head; bytes are every weight once plus the cached K and V. Edit
 `context` or the dtype's bytes and see the intensity move. The last line checks the count against
-`minillm.roofline`, which the rest of the notebook uses.
+`minillm.perf.roofline`, which the rest of the notebook uses.
 """),
 ("code", r"""
 model, tok = load_model("smollm2", dtype="float32", device=device)
@@ -82,7 +82,7 @@ for name, g in roofline.GPUS.items():
 Attainable FLOP/s = min(peak, bandwidth × intensity). Decode at batch 1 does ~0.5 FLOP per fp32 byte[^fp32-ai-again];
 a 512-token prefill reuses each weight 512 times.
 
-[^fp32-ai-again]: counted by minillm.roofline: 2 / 4
+[^fp32-ai-again]: counted by minillm.perf.roofline: 2 / 4
 """),
 ("code", r"""
 import numpy as np
@@ -126,7 +126,7 @@ that a fused implementation removes.
 """),
 ("code", r"""
 from torch.profiler import profile, ProfilerActivity
-from minillm.kv_cache import KVCache, forward_cached
+from minillm.stages.kv_cache import KVCache, forward_cached
 cache = KVCache(cfg, 1, 64, device=device)
 forward_cached(model, torch.tensor([prompt], device=device), cache)
 step = torch.tensor([[prompt[-1]]], device=device)
@@ -149,9 +149,9 @@ interview card has the rest.
 
 Decode tokens/s at batch 1 is bounded by bandwidth / bytes. For a 7B model in fp16 (14 GB[^7b]):
 
-[^7b]: counted by minillm.roofline: 7e9 * 2 / 1e9
-[^h100-a100]: counted by minillm.roofline: GPUS["H100 SXM"]["flops"] / GPUS["A100 80GB"]["flops"]; GPUS["H100 SXM"]["bandwidth"] / GPUS["A100 80GB"]["bandwidth"]
-[^fp8]: counted by minillm.roofline: 1 / decode_step_seconds(LLAMA3_8B, "H100 SXM", 2); 1 / decode_step_seconds(LLAMA3_8B, "H100 SXM", 1)
+[^7b]: counted by minillm.perf.roofline: 7e9 * 2 / 1e9
+[^h100-a100]: counted by minillm.perf.roofline: GPUS["H100 SXM"]["flops"] / GPUS["A100 80GB"]["flops"]; GPUS["H100 SXM"]["bandwidth"] / GPUS["A100 80GB"]["bandwidth"]
+[^fp8]: counted by minillm.perf.roofline: 1 / decode_step_seconds(LLAMA3_8B, "H100 SXM", 2); 1 / decode_step_seconds(LLAMA3_8B, "H100 SXM", 1)
 """),
 ("code", r"""
 base = roofline.GPUS["A100 80GB"]

@@ -11,11 +11,11 @@ Run with `MINILLM_QUICK=1` for a fast CPU pass; unset for the full measurements.
 import time
 import torch
 import matplotlib.pyplot as plt
-from minillm.loader import load_model
-from minillm.kv_cache import KVCache, forward_cached, generate_greedy, generate_greedy_naive, kv_cache_bytes
-from minillm.benchmarks.common import time_median
-from minillm.notebook import start
-from minillm.benchmarks.kv_cache import step_latency, prefill_decode
+from minillm.loading.loader import load_model
+from minillm.stages.kv_cache import KVCache, forward_cached, generate_greedy, generate_greedy_naive, kv_cache_bytes
+from minillm.course.benchmarks.common import time_median
+from minillm.course.notebook import start
+from minillm.course.benchmarks.kv_cache import step_latency, prefill_decode
 device, QUICK = start()                        # cuda when present; prints the machine
 model, tok = load_model("smollm2", dtype="float32", device=device)
 """),
@@ -28,11 +28,11 @@ them: the baseline recomputes them every step, the cached path computes only the
 A KV cache in a few lines, from the model's own layers: a dict from layer to its (K, V), each new
 token's K and V appended with `torch.cat`. The prefill fills it with the whole prompt; each decode step
 runs one token whose query attends to everything stored. Its greedy tokens must be those of
-`minillm.kv_cache.generate_greedy`, the preallocated cache the library uses.
+`minillm.stages.kv_cache.generate_greedy`, the preallocated cache the library uses.
 """),
 ("code", r"""
-from minillm.model import naive_attention_fp32
-from minillm.positions import rope_cos_sin
+from minillm.model.llama import naive_attention_fp32
+from minillm.model.positions import rope_cos_sin
 
 @torch.no_grad()
 def forward_with_dict_cache(model, tokens, cache):
@@ -87,7 +87,7 @@ step does, so it stays memory-bound until the position passes the ridge point (h
 Llama-3-8B on an H100 a 1.00x gain from the cache at 256 new tokens and 6.75x at 4,096[^gpu-gen] (lesson 02's interview
 card); what this cell prints is the machine that runs it.
 
-[^gpu-gen]: counted by minillm.roofline: generation_seconds(LLAMA3_8B, "H100 SXM", 2, 16, 256, use_cache=False) / generation_seconds(LLAMA3_8B, "H100 SXM", 2, 16, 256); generation_seconds(LLAMA3_8B, "H100 SXM", 2, 16, 4096, use_cache=False) / generation_seconds(LLAMA3_8B, "H100 SXM", 2, 16, 4096)
+[^gpu-gen]: counted by minillm.perf.roofline: generation_seconds(LLAMA3_8B, "H100 SXM", 2, 16, 256, use_cache=False) / generation_seconds(LLAMA3_8B, "H100 SXM", 2, 16, 256); generation_seconds(LLAMA3_8B, "H100 SXM", 2, 16, 4096, use_cache=False) / generation_seconds(LLAMA3_8B, "H100 SXM", 2, 16, 4096)
 """),
 ("code", r"""
 positions = [16, 64] if QUICK else ([32, 128, 512, 2048, 4096] if device == "cuda" else [32, 128, 256, 512, 1024])
@@ -131,7 +131,7 @@ for r in rows:
 ("md", r"""
 ## 5. Fast batch-1 decode
 
-`minillm/fast_decode.py` keeps the math and removes overhead: fused q/k/v and gate/up projections, a
+`minillm/stages/fast_decode.py` keeps the math and removes overhead: fused q/k/v and gate/up projections, a
 precomputed RoPE table, torch's fused attention. Same tokens, fewer launches.
 """),
 ("code", r"""
@@ -158,8 +158,8 @@ same bytes (`roofline.measure_bandwidth`). 30 copies of the matrix, used in turn
 as in the real model.
 """),
 ("code", r"""
-from minillm import roofline
-from minillm.fast_decode import gemv_compiled
+from minillm.perf import roofline
+from minillm.stages.fast_decode import gemv_compiled
 W = [torch.randn(3072, 576, device=device) for _ in range(30)]         # the fused gate/up shape, fp32
 x = torch.randn(576, device=device)
 kernels = {"torch.mv": torch.mv} if device == "cuda" else {"torch.mv": torch.mv, "compiled row-wise dot": gemv_compiled}
@@ -174,10 +174,10 @@ print(f"plain read bound       {roofline.measure_bandwidth(128 if QUICK else 512
 
 The same generation with each step of the fast path switched on in turn (`gemv=`: how a one-token
 projection runs; `compiled_step`: the whole decode step of a layer compiled once for all 30 layers,
-CPU only). Every row gives the baseline's tokens in fp32 (`tests/test_fast_decode.py`).
+CPU only). Every row gives the baseline's tokens in fp32 (`tests/stages/test_fast_decode.py`).
 """),
 ("code", r"""
-from minillm.fast_decode import generate_greedy_fast
+from minillm.stages.fast_decode import generate_greedy_fast
 steps = {"fused, F.linear": dict(gemv="linear", compiled_step=False),
          "+ torch.mv": dict(gemv="mv", compiled_step=False)}
 if device == "cpu":

@@ -7,12 +7,12 @@ and the article's MQA / GQA section.
 """),
 ("code", r"""
 import torch
-from minillm.gqa import grouped_attention, convert_kv_heads
-from minillm.model import naive_attention_fp32
-from minillm.benchmarks.gqa import kv_table, max_batch
+from minillm.attention.gqa import grouped_attention, convert_kv_heads
+from minillm.model.llama import naive_attention_fp32
+from minillm.course.benchmarks.gqa import kv_table, max_batch
 from minillm import LLM
 from minillm.evaluate import perplexity
-from minillm.notebook import start
+from minillm.course.notebook import start
 device, QUICK = start()                        # cuda when present; prints the machine
 """),
 ("md", r"""
@@ -35,7 +35,7 @@ mask = torch.ones(6, 40, dtype=torch.bool).tril(40 - 6)       # query t sees key
 scores = (q @ k_rep.transpose(-1, -2)) / q.shape[-1] ** 0.5   # (1, 9, 6, 40)
 by_hand = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v_rep
 err = (by_hand - grouped_attention(q, k, v, mask[None, None])).abs().max().item()
-print(f"by hand vs minillm.gqa.grouped_attention: max |difference| = {err:.1e}")
+print(f"by hand vs minillm.attention.gqa.grouped_attention: max |difference| = {err:.1e}")
 print(f"K/V bytes read: {k_rep.nbytes + v_rep.nbytes} with copies, {k.nbytes + v.nbytes} without")
 """),
 ("md", r"""
@@ -90,7 +90,7 @@ with its own transformers config class, saved as an HF folder, loaded by minillm
 ("code", r"""
 import json, tempfile
 import transformers
-from minillm.loader import load_model
+from minillm.loading.loader import load_model
 transformers.utils.logging.disable_progress_bar()
 
 tiny = dict(vocab_size=256, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,

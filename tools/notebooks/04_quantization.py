@@ -14,15 +14,15 @@ import json, math, copy
 from pathlib import Path
 import torch
 import matplotlib.pyplot as plt
-from minillm.loader import load_model
+from minillm.loading.loader import load_model
 from minillm.quant import int4, int8, nf4, quantize_linear, calibration_windows
 from minillm.quant.gptq import HessianAccumulator, gptq_quantize
 from minillm.quant.awq import block_inputs, search_scales
 from minillm.quant.kv_int8 import quantize_kv, dequantize_kv, kv_bytes
 from minillm.quant.sequential import SUBLAYER_GROUPS, capture_inputs
-from minillm.model import naive_attention_fp32
-from minillm.positions import rope_cos_sin
-from minillm.notebook import start
+from minillm.model.llama import naive_attention_fp32
+from minillm.model.positions import rope_cos_sin
+from minillm.course.notebook import start
 
 device, QUICK = start()                        # cuda when present; prints the machine
 torch.manual_seed(0)
@@ -192,8 +192,8 @@ on a 4-bit grid: a second rounding, which makes int4 RTN's loss here far larger 
 path = Path("../results/quant.json")
 if path.exists():
     doc = json.loads(path.read_text())
-    from minillm.benchmarks.common import format_table
-    from minillm.benchmarks.quant import plot
+    from minillm.course.benchmarks.common import format_table
+    from minillm.course.benchmarks.quant import plot
     cols = ["method", "ppl", "bits_per_param", "vs_fp16", "model_MB", "decode_tok_s", "quantize_s"]
     print(doc["machine"]["cpu"], "| threads", doc["machine"]["threads"])
     print(format_table(doc["results"], cols))
@@ -246,8 +246,8 @@ ops = operands(q)
 y = w4a16_matmul_torch(x, ops["packed"], ops["scale"], ops["zero"], ops["code"], group=ops["group"])
 print("twin vs dequantise-then-matmul: max |diff| =", (y - x @ q.dequantize().T).abs().max().item())
 if torch.cuda.is_available():
-    from minillm.benchmarks.quant import kernel_benchmark
-    from minillm.benchmarks.common import format_table
+    from minillm.course.benchmarks.quant import kernel_benchmark
+    from minillm.course.benchmarks.common import format_table
     rows = kernel_benchmark(quick=True)["results"]                 # batch 1 and 16; the full sweep: results/gpu/
     print(format_table(rows, ["shape", "batch", "fp16_us", "w4a16_us", "w4a16_kernel", "speedup",
                               "w4a16_fraction_of_copy_bandwidth", "first_run_kernel_us"]))
@@ -255,7 +255,7 @@ else:
     print("no GPU here: the kernel benchmark (fp16 matmul vs W4A16 at batch 1..16) is not measured")
 """),
 ("code", r"""
-from minillm.benchmarks.common import save_notebook_values
+from minillm.course.benchmarks.common import save_notebook_values
 print("saved", save_notebook_values("04", values, QUICK) or "nothing (quick mode)")
 """),
 ]

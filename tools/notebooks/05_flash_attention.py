@@ -2,7 +2,7 @@ CELLS = [
 ("md", r"""
 # 05 · FlashAttention: online softmax, tiles, and why it is faster
 
-Lesson: `lessons/05-flash-attention.md`. Code: `minillm/flash_attention.py` (naive baseline, tiled
+Lesson: `lessons/05-flash-attention.md`. Code: `minillm/attention/flash.py` (naive baseline, tiled
 PyTorch twin, differentiable `flash_attention`) and `kernels/flash_attention.py` (the Triton kernel).
 
 This notebook
@@ -27,9 +27,9 @@ ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "minillm").is_d
 sys.path.insert(0, str(ROOT))
 
 import matplotlib.pyplot as plt
-from minillm.benchmarks import flash_attention as bench
-from minillm.notebook import start
-from minillm.flash_attention import flash_attention, flash_attention_torch, naive_attention_in_dtype, naive_attention_in_dtype_lse
+from minillm.course.benchmarks import flash_attention as bench
+from minillm.course.notebook import start
+from minillm.attention.flash import flash_attention, flash_attention_torch, naive_attention_in_dtype, naive_attention_in_dtype_lse
 from kernels.flash_attention import triton_flash_attention_forward
 
 device, QUICK = start()                        # cuda when present; prints the machine
@@ -63,7 +63,7 @@ weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)
 print(f"direct : O = {float(weights @ torch.tensor(values, dtype=torch.float64)):.6f}   "
       f"LSE = {float(torch.logsumexp(torch.tensor(scores, dtype=torch.float64), 0)):.6f}")
 print("softmax weights:", [round(float(w), 4) for w in weights])
-from minillm.flash_attention import online_softmax_steps
+from minillm.attention.flash import online_softmax_steps
 print("same (m, l, acc) as flash_attention.online_softmax_steps:", online_softmax_steps(scores, values, 2)[-1] == (m, l, acc))
 """),
 ("md", r"""
@@ -169,7 +169,7 @@ ax.legend(fontsize=8); plt.show()
 Naive grows 4x[^quadratic] per doubling of N (it holds about 2.3 N x N fp32 matrices at its peak[^peak-matrices]: S, the
 boolean causal mask and the masked copy of S); the tiled version stays at a few MiB: the output, the LSE and one tile.
 
-[^quadratic]: counted by minillm.roofline: 2 ** 2
+[^quadratic]: counted by minillm.perf.roofline: 2 ** 2
 [^peak-matrices]: measured in results/flash-attention.json: summary.naive_peak_mib_at_8192 / (8192 ** 2 * 4 / 2 ** 20)
 
 ## 4. HBM bytes, counted
@@ -192,7 +192,7 @@ vanished is the 4 N^2 term of S and P. The ratio approaches 2 * block_m / D = 4 
 (about 8 when causal, since tiles above the diagonal are skipped); on a real GPU the L2 cache
 absorbs much of the K/V re-reading, so measured traffic is lower still.
 
-[^score-matrix]: counted by minillm.roofline: 8192 ** 2 * 2 / 2 ** 20
+[^score-matrix]: counted by minillm.perf.roofline: 8192 ** 2 * 2 / 2 ** 20
 
 ## 5. Backward: training works
 
@@ -220,14 +220,14 @@ print(f"N={n_saved}: autograd keeps {naive_b/2**20:.1f} MiB for naive (P is N x 
 
 TFLOP/s (4 * B * H * N^2 * D, halved when causal) of naive attention, PyTorch SDPA's flash backend
 and our Triton kernel, timed with CUDA events around each call after an L2 flush
-(`minillm/benchmarks/kernel_timing.py`); from N = 4096 also the backward against SDPA's. On a CPU
+(`minillm/course/benchmarks/kernel_timing.py`); from N = 4096 also the backward against SDPA's. On a CPU
 this section only reports what the committed JSON holds.
 """),
 ("code", r"""
 if device == "cuda":
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from minillm.benchmarks.flash_attention import backward_row
-    from minillm.benchmarks.kernel_timing import time_kernel      # CUDA events, L2 flushed: the kernel, not the launch
+    from minillm.course.benchmarks.flash_attention import backward_row
+    from minillm.course.benchmarks.kernel_timing import time_kernel      # CUDA events, L2 flushed: the kernel, not the launch
 
     def sdpa(q, k, v, causal):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

@@ -12,10 +12,10 @@ import time, math
 import torch
 import matplotlib.pyplot as plt
 from minillm import LLM, SamplingParams
-from minillm.reference import stream_contiguous
-from minillm.block_manager import BlockManager
-from minillm.request import Request
-from minillm.notebook import start
+from minillm.stages.reference import stream_contiguous
+from minillm.kvcache.block_manager import BlockManager
+from minillm.engine.request import Request
+from minillm.course.notebook import start
 device, QUICK = start()                        # cuda when present; prints the machine
 """),
 ("md", r"""
@@ -77,7 +77,7 @@ The benchmark serves a long-tailed request trace from a fixed KV budget under fo
 baselines). Contiguous reservation wastes what a request never fills; paging wastes at most a partial block.
 """),
 ("code", r"""
-from minillm.benchmarks import paged as pb
+from minillm.course.benchmarks import paged as pb
 reqs = pb.make_workload(300 if QUICK else 2000, 2048)
 budget = 16384 if QUICK else 32768
 rows = {}
@@ -104,7 +104,7 @@ prompt = {"prompt_token_ids": tok.encode(tok.apply_chat_template([{"role": "user
 params = SamplingParams(temperature=0, max_tokens=16 if QUICK else 64, ignore_eos=True)
 paged = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
 (req,) = llm.make_requests([prompt], params)
-for _ in stream_contiguous(llm, req):     # alone on the contiguous cache (minillm/reference.py)
+for _ in stream_contiguous(llm, req):     # alone on the contiguous cache (minillm/stages/reference.py)
     pass
 print("identical tokens:", paged.token_ids == req.output_token_ids)
 print(paged.text)

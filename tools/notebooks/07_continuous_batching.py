@@ -13,13 +13,13 @@ import numpy as np
 import torch
 import matplotlib.pyplot as plt
 from minillm import LLM, SamplingParams
-from minillm.reference import stream_contiguous
-from minillm.outputs import RequestMetrics
-from minillm.block_manager import BlockManager
-from minillm.request import Request
-from minillm.scheduler import Scheduler
-from minillm.notebook import start
-from minillm.benchmarks import batching as bb
+from minillm.stages.reference import stream_contiguous
+from minillm.engine.outputs import RequestMetrics
+from minillm.kvcache.block_manager import BlockManager
+from minillm.engine.request import Request
+from minillm.engine.scheduler import Scheduler
+from minillm.course.notebook import start
+from minillm.course.benchmarks import batching as bb
 device, QUICK = start()                        # cuda when present; prints the machine
 """),
 ("md", r"""
@@ -62,7 +62,7 @@ for i, step in enumerate(by_hand):
     print(f"step {i}: " + ", ".join(f"req {rid}: {n} tok (from {start})" for rid, n, start in step))
 """),
 ("md", r"""
-The same three requests through `minillm.scheduler.Scheduler` and its block manager:
+The same three requests through `minillm.engine.scheduler.Scheduler` and its block manager:
 """),
 ("code", r"""
 def fake(rid, n, max_tokens=3):
@@ -99,7 +99,7 @@ r = bb.run_engine(llm, prompts, outputs)
 alone = []
 for p, m in zip(prompts[:3], outputs[:3]):
     (req,) = llm.make_requests([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
-    for _ in stream_contiguous(llm, req):      # alone on the contiguous cache (minillm/reference.py)
+    for _ in stream_contiguous(llm, req):      # alone on the contiguous cache (minillm/stages/reference.py)
         pass
     alone.append(req.output_token_ids)
 print("first three requests identical to running alone:", alone == r["tokens"][:3])

@@ -9,7 +9,7 @@ longest prefix its rejection rule accepts, plus one token of its own. Every targ
 yields between 1 and `k + 1` tokens, and the output is distributed **exactly** as plain sampling
 from the target. This notebook builds the greedy rule by hand, shows the sampling rule on a 10-token
 vocabulary, then runs the three drafts
-of `minillm/speculative.py` on SmolLM2-135M and reads the full benchmark
+of `minillm/speculative/core.py` on SmolLM2-135M and reads the full benchmark
 (`results/speculative.json`).
 
 Set `MINILLM_QUICK=1` for a CI-sized run; on a GPU the same cells run on `cuda`.
@@ -21,11 +21,11 @@ import torch
 import matplotlib.pyplot as plt
 %matplotlib inline
 
-from minillm.speculative import (rejection_sample, acceptance_probability, expected_tokens_per_call,
+from minillm.speculative.core import (rejection_sample, acceptance_probability, expected_tokens_per_call,
                                  expected_speedup, SpecStats, make_draft)
-from minillm.speculative_loop import speculative_stream    # lesson 08's per-request loop (a teaching stage)
-from minillm.notebook import start
-from minillm.reference import stream_contiguous
+from minillm.stages.speculative_loop import speculative_stream    # lesson 08's per-request loop (a teaching stage)
+from minillm.course.notebook import start
+from minillm.stages.reference import stream_contiguous
 device, QUICK = start()                        # cuda when present; prints the machine
 """),
 ("md", r"""
@@ -35,10 +35,10 @@ At temperature 0 the rule is plain: the target's argmax at each drafted position
 would emit there. Keep the leading drafted tokens that equal it; at the first mismatch emit the target's
 own token instead and drop the rest, even a later guess that happens to match. If all `k` match, the
 target's choice one past them comes free (the bonus token). Below, by hand on made-up logits, then
-against `minillm.speculative.greedy_verify`; edit `draft` and re-run.
+against `minillm.speculative.core.greedy_verify`; edit `draft` and re-run.
 """),
 ("code", r"""
-from minillm.speculative import greedy_verify
+from minillm.speculative.core import greedy_verify
 gen = torch.Generator().manual_seed(1)
 V, k = 10, 4
 target_logits = torch.randn(k + 1, V, generator=gen)       # the target's logits at the k drafted positions + 1
@@ -120,7 +120,7 @@ skipped. At temperature 0 every draft must reproduce plain greedy decoding token
 """),
 ("code", r"""
 from minillm import LLM, SamplingParams
-from minillm.benchmarks.speculative import PROMPTS
+from minillm.course.benchmarks.speculative import PROMPTS
 llm = LLM(model="smollm2", dtype="float32", device=device)
 tok = llm.get_tokenizer()
 prompt = tok.apply_chat_template([{"role": "user", "content": PROMPTS["grounded"]}])
@@ -172,7 +172,7 @@ result (they do not rerun it).
 [^temps]: measured in results/speculative.json: config.temperatures[1]; config.temperatures[2]
 """),
 ("code", r"""
-from minillm.benchmarks.common import format_table
+from minillm.course.benchmarks.common import format_table
 path = Path("../results/speculative.json")
 doc = json.loads(path.read_text()) if path.exists() else None
 if doc:

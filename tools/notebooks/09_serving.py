@@ -4,7 +4,7 @@ CELLS = [
 
 *Lesson: [lessons/09-serving.md](../lessons/09-serving.md).* The article's 实战 section deploys a model
 with vLLM's OpenAI-compatible server and calls it with the OpenAI Python SDK (**零代码切换**). Here
-minillm's own server (`minillm/server.py`) plays vLLM's part: same endpoints, same client code.
+minillm's own server (`minillm/serving/server.py`) plays vLLM's part: same endpoints, same client code.
 
 It runs in a background thread of this notebook; from a shell it is
 `python -m minillm serve --model smollm2 --port 8000`.
@@ -18,9 +18,9 @@ import httpx
 import matplotlib.pyplot as plt
 import openai
 from minillm import LLM
-from minillm.server import ServerThread, build_app
-from minillm.benchmarks import serve as serve_bench
-from minillm.notebook import start
+from minillm.serving.server import ServerThread, build_app
+from minillm.course.benchmarks import serve as serve_bench
+from minillm.course.notebook import start
 
 device, QUICK = start()                        # cuda when present; prints the machine
 llm = LLM(model="smollm2", dtype="float32", device=device, max_num_seqs=32)
@@ -152,7 +152,7 @@ print(stats)
 ## 6. Load test: what the request rate does to throughput and latency
 
 Poisson arrivals at several rates, streamed chat requests of a fixed length (`ignore_eos`), TTFT and TPOT
-measured by the client (`minillm/benchmarks/serve.py`; the full run is
+measured by the client (`minillm/course/benchmarks/serve.py`; the full run is
 `python -m minillm bench serve --json results/serve.json`). More load means bigger batches and more
 tokens/s, until the engine saturates: then requests queue and TTFT climbs.
 """),

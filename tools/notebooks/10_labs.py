@@ -15,7 +15,7 @@ python -m minillm lab grade kv_cache       # grade the current folder on one lab
 ```
 
 On the reference repository every lab passes all of its tasks; on a fresh student copy its own lab passes none
-(`tests/test_labs.py` checks both).
+(`tests/course/test_labs.py` checks both).
 With `MINILLM_QUICK=1` each cell checks only one task of its lab (a fast smoke run); unset it for
 the full grade. Cells grade in this kernel's process: after editing a file, restart the kernel.
 """),
@@ -27,8 +27,8 @@ sys.path.insert(0, str(REPO))                          # grade THIS copy, whatev
 import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")     # the Triton lab runs under the interpreter on CPU
-from minillm import labs
-from minillm.notebook import start
+from minillm.course import labs
+from minillm.course.notebook import start
 device, QUICK = start()                          # prints the machine; the labs pick their own device
 print("grading", labs.REPO, "| mode:", "quick (MINILLM_QUICK=1): one task per lab" if QUICK else "full: every task")
 print(labs.format_lab_list())
@@ -36,7 +36,7 @@ print(labs.format_lab_list())
 ("md", r"""
 ## 01 · kv_cache: store K and V once, read them every step
 
-Write `KVCache.write` and the cache parts of `forward_cached` in `minillm/kv_cache.py`
+Write `KVCache.write` and the cache parts of `forward_cached` in `minillm/stages/kv_cache.py`
 ([handout](../lessons/labs/01-kv_cache.md)).
 """),
 ("code", r"""
@@ -45,7 +45,7 @@ result = labs.self_check("kv_cache", quick=QUICK)
 ("md", r"""
 ## 02 · gqa: grouped-query attention without copying K/V
 
-Write `grouped_attention` and `mean_pool_kv_heads` in `minillm/gqa.py`
+Write `grouped_attention` and `mean_pool_kv_heads` in `minillm/attention/gqa.py`
 ([handout](../lessons/labs/02-gqa.md)).
 """),
 ("code", r"""
@@ -72,7 +72,7 @@ result = labs.self_check("gptq", quick=QUICK)
 ("md", r"""
 ## 05 · online_softmax: FlashAttention in PyTorch
 
-Write the tiled online softmax of `flash_attention_torch` in `minillm/flash_attention.py`
+Write the tiled online softmax of `flash_attention_torch` in `minillm/attention/flash.py`
 ([handout](../lessons/labs/05-online_softmax.md)).
 """),
 ("code", r"""
@@ -91,8 +91,8 @@ result = labs.self_check("flash_triton", quick=QUICK)
 ("md", r"""
 ## 07 · paged_blocks: the block pool and prefix caching
 
-Write `BlockPool.allocate / acquire / release` in `minillm/block_manager.py` and `hash_block`,
-`chain_hashes`, `PrefixCache.match`, `PrefixCache.evict` in `minillm/prefix_cache.py`
+Write `BlockPool.allocate / acquire / release` in `minillm/kvcache/block_manager.py` and `hash_block`,
+`chain_hashes`, `PrefixCache.match`, `PrefixCache.evict` in `minillm/kvcache/prefix_cache.py`
 ([handout](../lessons/labs/07-paged_blocks.md)).
 """),
 ("code", r"""
@@ -101,7 +101,7 @@ result = labs.self_check("paged_blocks", quick=QUICK)
 ("md", r"""
 ## 08 · scheduler: one step of continuous batching
 
-Write `Scheduler.schedule` and `Scheduler._preempt` in `minillm/scheduler.py`
+Write `Scheduler.schedule` and `Scheduler._preempt` in `minillm/engine/scheduler.py`
 ([handout](../lessons/labs/08-scheduler.md)).
 """),
 ("code", r"""
@@ -110,7 +110,7 @@ result = labs.self_check("scheduler", quick=QUICK)
 ("md", r"""
 ## 09 · rejection_sampler: speculative decoding's acceptance rule
 
-Write `greedy_verify` and `rejection_sample` in `minillm/speculative.py`
+Write `greedy_verify` and `rejection_sample` in `minillm/speculative/core.py`
 ([handout](../lessons/labs/09-rejection_sampler.md)).
 """),
 ("code", r"""

@@ -14,13 +14,13 @@ import os
 import torch
 import torch.nn.functional as F
 from minillm import LLM, SamplingParams
-from minillm.model import tiny_config
+from minillm.model.llama import tiny_config
 from minillm.parallel.calculator import table, tp_bytes_per_token
 from minillm.parallel.checks import shard_vs_full
 from minillm.parallel.launch import launch
 from minillm.parallel.pipeline import bubble_fraction, gpipe_schedule
-from minillm.notebook import start
-from minillm.roofline import LLAMA3_70B
+from minillm.course.notebook import start
+from minillm.perf.roofline import LLAMA3_70B
 # the ranks are CPU processes talking over gloo, on any machine: one GPU cannot host three ranks
 device, QUICK = start("cpu")
 """),
@@ -104,7 +104,7 @@ Measured on processes (`bench parallel` does the full sweep): each stage's busy 
 the pass. Small micro-batches on a shared CPU add overhead the formula does not have.
 """),
 ("code", r"""
-from minillm.benchmarks.parallel import bubble
+from minillm.course.benchmarks.parallel import bubble
 for row in bubble(quick=True):
     print(f"p={row['stages']} m={row['micro_batches']}: idle share measured {row['idle_share_measured']:.2f}, "
           f"formula {row['idle_share_formula']:.2f}")

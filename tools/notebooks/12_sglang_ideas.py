@@ -13,7 +13,7 @@ Set `MINILLM_QUICK=1` for a fast CPU pass (CI does); unset it for the full run.
 import time
 import torch
 from minillm import LLM, SamplingParams
-from minillm.notebook import start
+from minillm.course.notebook import start
 device, QUICK = start()                        # cuda when present; prints the machine
 llm = LLM(model="smollm2", dtype="float32", device=device, max_model_len=1024)
 """),
@@ -73,8 +73,8 @@ for name, ids in (("turn 1", turn1), ("turn 2", turn2), ("other chat", other)):
 print("cached tokens by hand:", by_hand)
 """),
 ("code", r"""
-from minillm.block_manager import BlockManager
-from minillm.request import Request
+from minillm.kvcache.block_manager import BlockManager
+from minillm.engine.request import Request
 library = {}
 for kind in ("radix", "hash"):
     bm = BlockManager(32, B, enable_prefix_caching=True, prefix_cache=kind)
@@ -103,7 +103,7 @@ that share a prefix run *at the same time*.
 hash index and the tree, and counts the prefill tokens computed and the KV blocks held.
 """),
 ("code", r"""
-from minillm.benchmarks import prefix as bp
+from minillm.course.benchmarks import prefix as bp
 from minillm.evaluate import evaluation_text
 tok, text = llm.get_tokenizer(), evaluation_text()
 rows = []

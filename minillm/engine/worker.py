@@ -1,0 +1,258 @@
+"""The one thread that owns the engine, for the HTTP server (lesson 09, section 3).
+
+    handlers (event loop)                               EngineWorker thread (owns llm.engine)
+    worker.submit(req, sink)  ----- inbox queue ----->  add_request(req)
+                                                        step() -> (req, delta) for each request
+    await sink's asyncio.Queue <- call_soon_threadsafe   push Delta(text, finish_reason) to its sink
+    worker.abort(id)          ----- inbox queue ----->  abort_request(id): its KV blocks are freed
+
+The engine is not thread-safe, so nothing else calls it: the worker publishes what others
+may read (stats for /debug/engine, Prometheus metrics for /metrics) after each step.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .request import Request
+
+log = logging.getLogger("minillm.serving.server")
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What the engine thread tells a handler after a step: new text, and whether it is over."""
+    text: str
+    finish_reason: str | None          # "stop", "length", "abort"; None while running
+    num_output_tokens: int
+    error: str | None = None
+    client_error: bool = False         # the error is the request's fault (a 400, not a 500)
+
+
+@dataclass
+class _Sink:
+    """Where one request's deltas go: an asyncio.Queue owned by the handler's event loop."""
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def push(self, delta: Delta) -> None:
+        with contextlib.suppress(RuntimeError):    # the loop has closed: nobody is listening any more
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+
+
+class EngineFailure(Exception):
+    def __init__(self, message: str, client_error: bool = False):
+        super().__init__(message)
+        self.client_error = client_error
+
+
+class QueueFull(Exception):
+    pass
+
+
+class _Metrics:
+    """vLLM's Prometheus metric names (vllm/v1/metrics/loggers.py), in a registry of their own
+    so that several servers in one process (tests, notebooks) do not share counters."""
+
+    TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        # what --max-waiting limits: also counts requests still in the inbox and those mid-prefill
+        self.without_output = Gauge("minillm:num_requests_without_output",
+                                    "Accepted requests with no output token yet (the 429 limit applies to these)",
+                                    registry=r)
+        self.rejected = Counter("minillm:requests_rejected", "Requests refused with 429: the queue was full",
+                                registry=r)
+        self.finished = Counter("vllm:request_success", "Finished requests by finish reason",
+                                ["finished_reason"], registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = 100%)", registry=r)
+        self.kv_free = Gauge("minillm:kv_blocks_free", "Free KV blocks", registry=r)
+        self.kv_used = Gauge("minillm:kv_blocks_used", "KV blocks held by requests", registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served by the prefix cache", registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions", registry=r)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Speculative verifications (one per request "
+                                   "and step with drafts)", registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                            registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", buckets=self.TIME_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Mean time per output token after the first",
+                              buckets=self.TIME_BUCKETS, registry=r)
+        for reason in ("stop", "length", "abort", "error"):     # present at 0 before the first one
+            self.finished.labels(reason)
+
+    def first_token(self, req: Request) -> None:
+        self.prompt_tokens.inc(len(req.prompt_token_ids))
+        self.prefix_queries.inc(len(req.prompt_token_ids))
+        self.prefix_hits.inc(req.num_cached_tokens)
+        self.ttft.observe(req.metrics.time_to_first_token)
+
+
+class EngineWorker:
+    """The one thread that calls the engine. Others talk to it only through `inbox`."""
+
+    _STOP = object()
+
+    def __init__(self, llm, max_waiting: int = 256):
+        self.engine = llm.engine                  # built here: it allocates the KV pool
+        self.max_waiting = max_waiting
+        self.inbox: queue.Queue = queue.Queue()
+        self.sinks: dict[str, _Sink] = {}         # request_id -> sink, for requests in the engine
+        # request_ids submitted that have no output yet; handlers add, the engine thread removes
+        self._not_started: set[str] = set()
+        self._lock = threading.Lock()
+        self.metrics = _Metrics()
+        self.stats = self._snapshot()
+        self.idle = True                          # blocked on an empty inbox: no progress is due
+        self.last_progress = time.monotonic()
+        self.thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
+
+    # called from other threads
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.inbox.put(self._STOP)
+        self.thread.join()
+
+    @property
+    def num_without_output(self) -> int:
+        return len(self._not_started)
+
+    def submit(self, req: Request, sink: _Sink) -> None:
+        """Queue a request; QueueFull when max_waiting requests already wait for their first token."""
+        with self._lock:                          # handlers of one loop, but check-then-add must be atomic
+            if len(self._not_started) >= self.max_waiting:
+                self.metrics.rejected.inc()
+                raise QueueFull(f"{len(self._not_started)} requests are waiting for their first token "
+                                f"(the server's limit, --max-waiting, is {self.max_waiting}); try again later")
+            self._not_started.add(req.request_id)
+            self.metrics.without_output.set(len(self._not_started))
+        self.inbox.put(("add", req, sink))
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(("abort", request_id))
+
+    def stalled_for(self) -> float:
+        """Seconds without progress although work is queued (0 when idle)."""
+        return 0.0 if self.idle else time.monotonic() - self.last_progress
+
+    # the engine thread
+    def _run(self) -> None:
+        while self._take_commands(wait=not self.engine.has_unfinished()):
+            if self.engine.has_unfinished():
+                self._step()
+            self.stats = self._snapshot()
+            self.last_progress = time.monotonic()
+
+    def _take_commands(self, wait: bool) -> bool:
+        """Apply every queued command (blocking for the first one when idle). False on stop."""
+        commands = []
+        if wait:
+            self.idle = True
+            commands.append(self.inbox.get())
+            self.idle, self.last_progress = False, time.monotonic()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                commands.append(self.inbox.get_nowait())
+        for command in commands:
+            if command is self._STOP:
+                for request_id in list(self.sinks):
+                    self._abort(request_id)
+                return False
+            if command[0] == "add":
+                self._add(*command[1:])
+            else:
+                self._abort(command[1])
+        return True
+
+    def _add(self, req: Request, sink: _Sink) -> None:
+        try:
+            self.engine.add_request(req)
+        except Exception as e:                    # refuse this request only; the thread keeps serving
+            client_error = isinstance(e, ValueError)       # the engine's checks of a request raise ValueError
+            if not client_error:
+                log.exception("engine.add_request failed")
+            self._started(req.request_id)
+            self.metrics.finished.labels("error").inc()
+            sink.push(Delta("", None, 0, error=f"the engine refused the request: {e}", client_error=client_error))
+            return
+        self.sinks[req.request_id] = sink
+
+    def _started(self, request_id: str) -> None:
+        with self._lock:
+            self._not_started.discard(request_id)
+            self.metrics.without_output.set(len(self._not_started))
+
+    def _abort(self, request_id: str) -> None:
+        sink = self.sinks.pop(request_id, None)
+        if sink is None:                          # it finished before the abort arrived
+            return
+        self._started(request_id)
+        self.engine.abort_request(request_id)
+        self.metrics.finished.labels("abort").inc()
+        sink.push(Delta("", "abort", 0))
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception as e:                    # keep serving: fail the requests in flight, free their blocks
+            log.exception("engine step failed")
+            for request_id, sink in list(self.sinks.items()):
+                self.engine.abort_request(request_id)
+                self._started(request_id)
+                sink.push(Delta("", None, 0, error=f"engine step failed: {e}"))
+            self.metrics.finished.labels("error").inc(len(self.sinks))
+            self.sinks.clear()
+            return
+        self.metrics.preemptions.inc(self.engine.step_log[-1]["num_preempted"])
+        self.metrics.generation_tokens.inc(len(events))          # one new token per event
+        log_entry = self.engine.step_log[-1]
+        if log_entry.get("num_draft_tokens"):                     # speculative decoding verified drafts
+            self.metrics.spec_drafts.inc(log_entry["num_verified_requests"])
+            self.metrics.spec_draft_tokens.inc(log_entry["num_draft_tokens"])
+            self.metrics.spec_accepted_tokens.inc(log_entry["num_accepted_tokens"])
+        # with speculative decoding one request may get several tokens (events) in a step: only its
+        # last event carries the finish
+        last = {req.request_id: i for i, (req, _) in enumerate(events)}
+        for i, (req, text) in enumerate(events):
+            if len(req.output_token_ids) == 1:                    # never with drafts: they follow the first
+                self._started(req.request_id)
+                self.metrics.first_token(req)
+            sink = self.sinks[req.request_id]
+            final = last[req.request_id] == i
+            sink.push(Delta(text, req.finish_reason if final else None, len(req.output_token_ids)))
+            if req.finished and final:
+                del self.sinks[req.request_id]
+                self.metrics.finished.labels(req.finish_reason).inc()
+                if req.metrics.time_per_output_token is not None:
+                    self.metrics.tpot.observe(req.metrics.time_per_output_token)
+
+    def _snapshot(self) -> dict:
+        """Counters published for /debug/engine and /metrics, so that no other thread reads the engine."""
+        bm, scheduler, m = self.engine.block_manager, self.engine.scheduler, self.metrics
+        m.running.set(len(scheduler.running))
+        m.waiting.set(len(scheduler.waiting))     # the inbox is empty here: every add reached the scheduler
+        m.kv_free.set(bm.num_free_blocks)
+        m.kv_used.set(bm.num_blocks - bm.num_free_blocks)
+        m.kv_usage.set(1 - bm.num_free_blocks / bm.num_blocks)
+        finished = {reason: m.registry.get_sample_value("vllm:request_success_total", {"finished_reason": reason})
+                    for reason in ("stop", "length", "abort", "error")}
+        return {"num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks, "num_requests": len(self.sinks),
+                "num_finished": int(finished["stop"] + finished["length"]), "num_aborted": int(finished["abort"]),
+                "num_failed": int(finished["error"])}

@@ -1,0 +1,1 @@
+"""Performance models and timers: the roofline and its calculators, and median timing."""

@@ -1,0 +1,152 @@
+"""Speculative decoding inside continuous batching: drafts ride in the engine's own step.
+
+Lesson 08's teaching loop (minillm/stages/speculative_loop.py) runs one request at a time beside the engine,
+with the rules and drafts of minillm/speculative/core.py, which this file shares. Servers (vLLM v1, SGLang)
+speculate inside the batch instead, and the engine's one idea carries it: a request's
+num_computed_tokens may catch up by more than one token per step.
+
+    1. propose    before scheduling, every running request that is decoding gets up to k_i draft
+                  tokens (req.spec_token_ids) from its own proposer; the policy below picks k_i
+    2. schedule   its pending token and the drafts run as ONE run of 1 + k_i tokens, in the same
+                  flat forward as the other requests' decodes and prefill chunks (scheduler.py)
+    3. verify     the 1 + k_i rows of logits decide how many drafts the target accepts: greedy
+                  verification or the rejection sampler (speculative.py), so the output is
+                  exactly the target's; the a accepted drafts and one token of the target's own
+                  are appended: 1 + a tokens for one row of the batch
+    4. roll back  num_computed_tokens goes to n + a; BlockManager.truncate forgets the rejected
+                  drafts' slots and returns every block the rollback left empty
+
+When does it pay? A step over N tokens costs t(N). Decode at small N is bound by reading the
+weights, so t grows slowly with N and drafts are almost free; at large N the step is bound by
+compute, t grows ~linearly, and every rejected draft is paid for in full. The policy fits
+t(N) = a + b N to the engine's own recent steps (StepCostModel) and adds drafts one at a time,
+best first, while they raise the step's expected throughput E / t:
+
+    the j-th draft of request i is accepted with probability alpha_i^j (all before it must be);
+    it adds alpha_i^j tokens and b (+ the draft's own cost c) seconds, so it pays when
+        alpha_i^j / (b + c)  >  E / t        (marginal yield beats the step's average)
+
+At batch 1 E / t is ~1 / a and b << a: almost any draft pays. At batch 64 E / t is ~64 / (a + 64 b)
+and only drafts with alpha^j above ~ b / (a / 64 + b) pass: speculation fades out where the step turns
+compute-bound. vLLM v0 had a fixed threshold instead (speculative_disable_by_batch_size).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .core import (DraftPool, ModelDraft, NgramDraft, StepCostModel, draft_model, estimate_alpha,
+                          expected_tokens_per_call, plan_draft_lengths, verify)
+
+
+def roofline_speedup(alpha: float, k: int, batch: int, ridge_tokens: float) -> float:
+    """Throughput of speculating k drafts per request over plain decoding, at `batch` requests, when a
+    step over N tokens takes t(N) = max(1, N / ridge_tokens) (flat while reading the weights is the
+    cost, linear once arithmetic is; drafting free): E(alpha, k) tokens per request-step for the price
+    of t(batch (1 + k)) instead of t(batch)."""
+    def t(n):
+        return max(1.0, n / ridge_tokens)
+    return expected_tokens_per_call(alpha, k) * t(batch) / t(batch * (1 + k))
+
+
+def crossover_batch(alpha: float, k: int, ridge_tokens: float) -> float:
+    """The batch size where roofline_speedup falls to 1: ridge_tokens * E(alpha, k) / (1 + k).
+    Below it the drafts ride in the step's spare arithmetic; above it each rejected draft is paid. No KV
+    bytes in it: roofline.speculative_crossover_batch adds them (at real contexts the crossover moves out)."""
+    return ridge_tokens * expected_tokens_per_call(alpha, k) / (1 + k)
+
+
+class EngineSpeculation:
+    """The engine's speculative decoding: proposers, the policy, verification, statistics. A draft model
+    ("draft", "layerskip") runs on one DraftPool (speculative.py: the production ModelRunner over a paged
+    cache of its own), built with the engine and shared by its requests, each a ModelDraft holding its
+    own blocks; a request that finished gives them back when the next step proposes."""
+
+    def __init__(self, llm, config):
+        """config: a config.SpeculativeConfig with a method (validated there)."""
+        if config.method is None:
+            raise ValueError("EngineSpeculation needs a SpeculativeConfig with a method; got method=None")
+        self.llm, self.method, self.k, self.policy = llm, config.method, config.num_speculative_tokens, config.policy
+        self.cost = StepCostModel()
+        self.ngram = NgramDraft() if self.method == "ngram" else None
+        # A draft model ("draft", "layerskip") runs through the production forward: one DraftPool (a
+        # ModelRunner over a paged cache of its own) shared by every request, each holding its own blocks.
+        self.pool = None if self.method == "ngram" else DraftPool(
+            draft_model(llm.model, self.method), llm.max_model_len + self.k + 1,
+            attention_backend=llm.attention_backend)
+        self.drafting: list = []                # requests whose ModelDraft holds blocks of the pool
+        self.drafted = self.accepted = self.rejections = self.verify_runs = 0
+        self.draft_seconds = 0.0
+
+    # --- 1. propose --------------------------------------------------------------------------
+    def propose(self, running: list, max_num_batched_tokens: int) -> None:
+        """Give each decoding request (not guided; its pending token is its only uncomputed one)
+        its drafts for the next step, as many as the policy allows."""
+        self._release_finished()
+        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1 and r.guide is None]
+        for r in running:
+            r.spec_token_ids, r.spec_probs = [], None
+        if not decoding:
+            return
+        room = [self._room(r) for r in decoding]
+        base_tokens = min(max_num_batched_tokens, sum(r.num_tokens - r.num_computed_tokens for r in running))
+        ks = room
+        if self.policy == "adaptive":
+            spent = self.draft_seconds / self.drafted if self.drafted and self.method != "ngram" else 0.0
+            ks = plan_draft_lengths([self.alpha(r) for r in decoding], room, base_tokens, len(decoding),
+                                    self.cost.fit(), spent)
+        t0 = time.perf_counter()
+        for r, k in zip(decoding, ks):
+            if k > 0:
+                tokens, q = self._drafter(r).propose(r.all_token_ids, k, r.params, r.generator)
+                r.spec_token_ids, r.spec_probs = list(tokens), q
+        self.draft_seconds += time.perf_counter() - t0
+
+    def _room(self, r) -> int:
+        """Drafts that can still become output: one token of the target's own always follows them."""
+        left = min(r.params.max_tokens - len(r.output_token_ids), self.llm.max_model_len - r.num_tokens)
+        return max(0, min(self.k, left - 1))
+
+    def _drafter(self, r):
+        if self.ngram is not None:
+            return self.ngram
+        if r.drafter is None:
+            r.drafter = ModelDraft(self.pool.model, self.pool)
+            room = min(self.llm.max_model_len, len(r.prompt_token_ids) + r.params.max_tokens) + self.k + 1
+            r.drafter.reset(room)
+            self.drafting.append(r)
+        return r.drafter
+
+    def _release_finished(self) -> None:
+        """Requests that finished (or were aborted) since the last step give their draft blocks back."""
+        for r in self.drafting:
+            if r.finished:
+                r.drafter.release()
+        self.drafting = [r for r in self.drafting if not r.finished]
+
+    def alpha(self, r) -> float:
+        """Acceptance probability of one draft: this request's record, pulled toward the engine's."""
+        return estimate_alpha(r.num_accepted, r.num_rejections, prior=estimate_alpha(self.accepted, self.rejections))
+
+    # --- 3. verify, 4. roll back -------------------------------------------------------------
+    def verify(self, r, logits: torch.Tensor) -> tuple[list[int], int]:
+        """logits (1 + k, V) of the pending token and the k drafts -> the 1 + a tokens to append
+        and a, the drafts accepted. Updates the statistics and the proposer's own cache."""
+        drafts = r.spec_token_ids
+        tokens, accepted = verify(drafts, r.spec_probs, logits, r.params, r.generator)
+        r.num_accepted += accepted
+        r.num_rejections += int(accepted < len(drafts))
+        self.drafted += len(drafts)
+        self.accepted += accepted
+        self.rejections += int(accepted < len(drafts))
+        self.verify_runs += 1
+        if isinstance(r.drafter, ModelDraft):
+            r.drafter.rollback(r.num_tokens + accepted)   # the context plus the accepted drafts
+        r.spec_token_ids, r.spec_probs = [], None
+        return tokens[:accepted + 1], accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+

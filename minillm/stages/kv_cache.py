@@ -1,0 +1,166 @@
+"""KV cache: keep every layer's keys and values so decode computes one new position per step.
+
+Without a cache (minillm/model/llama.py) step t recomputes K and V for all t previous tokens:
+generating n tokens costs O(n^2) projections. With it, each step projects only the new token,
+writes its K/V into a preallocated buffer and attends over the stored ones.
+
+The cache is contiguous and preallocated, one buffer per layer of shape (B, Hkv, max_len, D),
+with a length per sequence, so prompts of different lengths can share a batch. Its size is
+the article's formula (see kv_cache_bytes). Paging (minillm/kvcache/block_manager.py) removes the
+waste of reserving max_len for every sequence.
+
+forward_cached() runs the *same* modules as the baseline (model.layers[i].attn.wq, ...);
+what is new is marked  # NEW: cache.
+"""
+from __future__ import annotations
+
+import torch
+
+from minillm.attention.gqa import grouped_attention
+from minillm.model.llama import Llama, ModelConfig
+from minillm.model.positions import rope_cos_sin
+
+
+def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, batch: int,
+                   dtype_bytes: float) -> float:
+    """The article's formula: 2 (K and V) x layers x kv_heads x head_dim x seq_len x batch x bytes."""
+    return 2 * n_layers * n_kv_heads * head_dim * seq_len * batch * dtype_bytes
+
+
+def mla_kv_cache_bytes(n_layers: int, kv_lora_rank: int, rope_head_dim: int, seq_len: int, batch: int,
+                       dtype_bytes: float) -> float:
+    """Multi-head latent attention (DeepSeek-V2/V3) caches, per token and layer, one latent vector
+    c_KV (kv_lora_rank wide, shared by all heads' K and V) plus one RoPE key shared by all heads:
+    layers x (kv_lora_rank + rope_head_dim) x seq_len x batch x bytes. No factor 2, no head count."""
+    return n_layers * (kv_lora_rank + rope_head_dim) * seq_len * batch * dtype_bytes
+
+
+def positions_computed(prompt_len: int, new_tokens: int, use_cache: bool) -> int:
+    """Token positions pushed through the model to generate new_tokens greedy tokens after a prompt:
+    what the projections and MLPs cost, in tokens. Without a cache (generate_greedy_naive) step i
+    recomputes all prompt_len + i positions, quadratic in the length; with one (generate_greedy) the
+    prompt runs once and every later step runs only its one new token (the last token is never fed)."""
+    if use_cache:
+        return prompt_len + new_tokens - 1
+    return prompt_len * new_tokens + new_tokens * (new_tokens - 1) // 2
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype=torch.float32, device="cpu"):
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)   # (L, B, Hkv, max_len, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)   # (L, B, Hkv, max_len, D)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) tokens stored
+        self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """k, v (B, Hkv, T, D) for positions (B, T): scattered along the sequence axis."""
+        # BEGIN SOLUTION kv_cache
+        # HINT: self.k[layer] is (B, Hkv, max_len, D). Token t of row b belongs at sequence position
+        # HINT: positions[b, t] (dim 2), in every KV head. Build an index shaped like k from positions
+        # HINT: (add the head and D axes, then expand) and use Tensor.scatter_ along dim 2; same for v.
+        index = positions[:, None, :, None].expand_as(k)           # (B, Hkv, T, D)
+        self.k[layer].scatter_(2, index, k)
+        self.v[layer].scatter_(2, index, v)
+        # END SOLUTION
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Forget positions >= lengths (B,): used to roll back rejected speculative tokens."""
+        self.lengths = torch.minimum(self.lengths, lengths)
+
+
+@torch.no_grad()
+def forward_cached(model: Llama, tokens: torch.Tensor, cache: KVCache, num_new: torch.Tensor | None = None,
+                   all_logits: bool = False) -> torch.Tensor:
+    """Run tokens (B, T) that continue each sequence at position cache.lengths[b].
+
+    num_new (B,): how many of the T tokens are real for each sequence (right padding beyond);
+    defaults to all T. Returns logits (B, T, V) if all_logits, else the logits of each sequence's
+    last real token (B, V). Advances cache.lengths by num_new.
+    """
+    B, T = tokens.shape
+    cfg = model.cfg
+    if cfg.sliding_window is not None:
+        raise ValueError("a sliding-window model (Mistral) runs on the engine (LLM); this contiguous cache is "
+                         "the teaching stage before windows")
+    if num_new is None:
+        num_new = torch.full((B,), T, dtype=torch.long, device=tokens.device)
+    if cache.k.shape[2] != cfg.n_kv_heads or cache.k.shape[0] != cfg.n_layers:
+        raise ValueError(f"KV cache was built for {cache.k.shape[0]} layers x {cache.k.shape[2]} KV heads; "
+                         f"the model has {cfg.n_layers} x {cfg.n_kv_heads}")
+    start = cache.lengths                                                # (B,)
+    if int((start + T).max()) > cache.max_len:
+        raise ValueError(f"KV cache holds {cache.max_len} positions; this step needs {int((start + T).max())}")
+    # BEGIN SOLUTION kv_cache
+    # HINT: the T new tokens continue each sequence where its cache ends: positions (B, T) is
+    # HINT: start[b] + 0, 1, ..., T-1. RoPE needs the angles of those positions: rope_cos_sin(positions,
+    # HINT: cfg.head_dim, cfg.rope_theta, cfg.rope_scaling) gives (B, T, D/2); add a head axis -> (B, 1, T, D/2).
+    # HINT: Attention reads S = max(start + T) cached keys; mask (B, 1, T, S) is True where the key's
+    # HINT: position <= the query's position (causal, and it hides another row's unused slots).
+    positions = start[:, None] + torch.arange(T, device=tokens.device)   # (B, T)
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)   # (B, T, D/2)
+    cos, sin = cos[:, None], sin[:, None]                                # (B, 1, T, D/2)
+    S = int((start + T).max())                                           # keys to look at
+    key_pos = torch.arange(S, device=tokens.device)
+    mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]   # (B, 1, T, S) causal
+    # END SOLUTION
+    h = model.embed(tokens)                                              # (B, T, dim)
+    for i, layer in enumerate(model.layers):
+        x = layer.attn_norm(h)
+        q, k, v = layer.attn.project_qkv(x, cos, sin)                    # (B, H, T, D)
+        # BEGIN SOLUTION kv_cache
+        # HINT: store this layer's new k, v at their positions (cache.write), then take everything the
+        # HINT: cache holds for layer i at positions 0..S-1: keys, values, each (B, Hkv, S, D).
+        cache.write(i, k, v, positions)                                  # NEW: cache
+        keys, values = cache.k[i, :, :, :S], cache.v[i, :, :, :S]        # NEW: (B, Hkv, S, D)
+        # END SOLUTION
+        out = grouped_attention(q, keys, values, mask)                   # (B, Hq, T, D)
+        h = h + layer.attn.wo(out.transpose(1, 2).reshape(B, T, -1))
+        h = h + layer.ffn(layer.ffn_norm(h))
+    # BEGIN SOLUTION kv_cache
+    # HINT: each sequence now holds num_new[b] more real tokens (padding beyond them is not counted).
+    cache.lengths = start + num_new
+    # END SOLUTION
+    if all_logits:
+        return model.logits(h)                                           # (B, T, V)
+    last = h[torch.arange(B, device=h.device), num_new - 1]              # (B, dim)
+    return model.logits(last)                                            # (B, V)
+
+
+@torch.no_grad()
+def generate_greedy(model: Llama, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy decoding of a batch of prompts (any lengths) with one shared cache."""
+    B = len(prompts)
+    device = model.embed.weight.device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    T = int(lengths.max())
+    cache = KVCache(model.cfg, B, T + max_new_tokens, model.embed.weight.dtype, device)
+    tokens = torch.zeros(B, T, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = torch.tensor(p)
+    logits = forward_cached(model, tokens, cache, num_new=lengths)       # prefill: (B, V)
+    out = [[] for _ in range(B)]
+    for step in range(max_new_tokens):
+        nxt = logits.argmax(-1)                                          # (B,)
+        for b in range(B):
+            out[b].append(int(nxt[b]))
+        if step + 1 < max_new_tokens:
+            logits = forward_cached(model, nxt[:, None], cache)          # decode: (B, V)
+    return out
+
+
+@torch.no_grad()
+def generate_greedy_naive(model: Llama, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The baseline: recompute the whole sequence for every new token."""
+    device = model.embed.weight.device
+    ids = torch.tensor([prompt], device=device)
+    out = []
+    for _ in range(max_new_tokens):
+        nxt = int(model(ids)[0, -1].argmax())
+        out.append(nxt)
+        ids = torch.cat([ids, ids.new_tensor([[nxt]])], dim=1)
+    return out
