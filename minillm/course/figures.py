@@ -22,7 +22,7 @@ import torch
 
 from minillm.perf import roofline
 from minillm.kvcache.block_manager import BlockManager
-from minillm.stages.kv_cache import kv_cache_bytes
+from minillm.course.calculators import kv_cache_bytes
 from minillm.model.llama import random_model, tiny_config
 from minillm.engine.request import Request
 from minillm.engine.sampling import SamplingParams
@@ -749,7 +749,8 @@ def tp_split_trace(size: int = 3) -> list[tuple[range, range]]:
 def draw_parallelism(path: Path, size: int = 3, stages: int = 3, micro: int = 4) -> Path:
     """Left: the FFN's two matrices as shard_model splits them over `size` ranks. Right: GPipe's
     schedule of `micro` micro-batches over `stages` stages, its idle slots the bubble."""
-    from minillm.parallel.pipeline import bubble_fraction, gpipe_schedule
+    from minillm.parallel.pipeline import gpipe_schedule
+    from minillm.course.calculators import bubble_fraction
 
     fig = new_figure(3.6)
     left, right = fig.subplots(1, 2, width_ratios=[1.1, 1])

@@ -180,13 +180,3 @@ class Scheduler:
         self.waiting.appendleft(req)
         # END SOLUTION
 
-
-def chunked_prefill_steps(prompt_len: int, max_num_batched_tokens: int, num_decoding: int) -> int:
-    """Steps a new prompt's prefill takes beside num_decoding running requests: each step the running
-    requests go first (one decode token each) and the prompt gets what is left of the token budget.
-    This is the time to first token in steps, which chunked prefill trades for smooth decodes."""
-    chunk = max_num_batched_tokens - num_decoding
-    if chunk < 1:
-        raise ValueError(f"{num_decoding} decodes fill the budget of {max_num_batched_tokens} tokens: "
-                         f"the prompt never gets a chunk; allowed: num_decoding < max_num_batched_tokens")
-    return -(-prompt_len // chunk)

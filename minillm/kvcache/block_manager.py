@@ -378,34 +378,3 @@ class BlockManager:
         grow = max(0, self._num_blocks_for(num_tokens) - len(table.blocks))
         return grow + len(shared), shared
 
-
-def blocks_after_parallel_sampling(prompt_len: int, n: int, block_size: int = 16) -> int:
-    """Blocks held once n samples of one prompt (n > 1 sampling) have each written their first output
-    token, counted on a real BlockManager: the prompt's full blocks stay shared (fork), and only the
-    partly filled last block is copied, by every writer but the last (copy-on-write)."""
-    num_blocks = n * (prompt_len // block_size + 2)                        # room even without sharing
-    bm = BlockManager(num_blocks, block_size)
-    samples = [Request.from_token_ids(str(i), list(range(prompt_len))) for i in range(n)]
-    bm.allocate(samples[0])
-    for req in samples:                                                 # the prompt is computed
-        req.num_computed_tokens = prompt_len
-    for child in samples[1:]:
-        bm.fork(samples[0].request_id, child.request_id)
-    for i, req in enumerate(samples):
-        req.output_token_ids.append(i)                                  # each sample's own first token
-        bm.append_slots(req, req.num_tokens)
-    return num_blocks - bm.num_free_blocks
-
-
-def prefix_hit_tokens(shared_len: int, prompt_len: int, block_size: int = 16) -> int:
-    """Tokens of a prompt_len-token prompt served by the prefix cache when an earlier request, fully
-    computed, started with the same shared_len tokens; counted on a real BlockManager: whole blocks
-    only, and at most prompt_len - 1 tokens, so that the last one runs and yields logits."""
-    bm = BlockManager(2 * (max(shared_len, prompt_len) // block_size + 2), block_size, enable_prefix_caching=True)
-    shared = list(range(shared_len))
-    earlier = Request.from_token_ids("earlier", shared + [shared_len])  # then the two prompts differ
-    bm.allocate(earlier)
-    earlier.num_computed_tokens = earlier.num_tokens
-    bm.cache_blocks(earlier)
-    later = Request.from_token_ids("later", shared + [shared_len + 1] * (prompt_len - shared_len))
-    return bm.cached_prefix_tokens(later)

@@ -8,7 +8,7 @@ Rank s of p holds layers stage_bounds(n_layers, p)[s]; a forward pass is a relay
 One batch alone would keep one rank busy at a time. GPipe (Huang et al. 2019) cuts the batch
 into m micro-batches: while rank 1 runs micro-batch 1, rank 0 already runs micro-batch 2. With p
 stages of equal time t per micro-batch the whole pass takes (m + p - 1) t, of which each rank is
-busy m t: the idle share, the bubble, is (p - 1) / (m + p - 1) (bubble_fraction). Communication
+busy m t: the idle share, the bubble, is (p - 1) / (m + p - 1) (minillm/course/calculators.py: bubble_fraction). Communication
 is one (tokens, dim) activation per stage boundary per token: far less than tensor parallelism's
 two all-reduces per layer, which is why PP is what crosses slow links between nodes.
 
@@ -27,11 +27,6 @@ from minillm.model.llama import Llama
 from minillm.model.runner import PagedBatch, build_batch
 from minillm.model.positions import rope_cos_sin
 from .comm import recv, send
-
-
-def bubble_fraction(p: int, m: int) -> float:
-    """GPipe's idle share of the wall time for p equal stages and m micro-batches."""
-    return (p - 1) / (m + p - 1)
 
 
 def gpipe_schedule(p: int, m: int) -> list[tuple[int, int, int]]:

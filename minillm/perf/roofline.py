@@ -280,7 +280,7 @@ def speculative_crossover_batch(cfg: ModelConfig, gpu: str, bytes_per_param: flo
     FLOP/s and BW the bandwidth: the speedup can only reach 1 where the speculative step is compute-bound
     and the plain one still memory-bound, E (W + B m) / BW = (1 + k) B F / P, so
         B = E W R / ((1 + k) F - E R m),   R = P / BW the ridge point.
-    At context 0 (m = 0) this is ridge_tokens x E / (1 + k), the KV-free speculative_engine.crossover_batch.
+    At context 0 (m = 0) this is ridge_tokens x E / (1 + k), the KV-free calculators.crossover_batch.
     When E R m >= (1 + k) F the KV traffic keeps even the speculative step memory-bound at every batch:
     speculation pays E at any batch (until memory runs out: max_sequences)."""
     ridge = ridge_point(gpu)
@@ -390,7 +390,7 @@ def generation_seconds(cfg: ModelConfig, gpu: str, bytes_per_param: float, promp
     """Roofline time to generate `new_tokens` greedy tokens after a `prompt`-token prompt at batch 1, a floor.
     With a KV cache: one prefill of the prompt, then new_tokens - 1 decode steps, step i reading prompt + i
     cached tokens. Without one (kv_cache.generate_greedy_naive): step i is a prefill of all prompt + i
-    positions (the token positions of kv_cache.positions_computed). On a GPU a short recompute is itself
+    positions (the token positions of calculators.positions_computed). On a GPU a short recompute is itself
     bandwidth-bound (it reads the weights once, like a decode step), so the cache's gain starts small and
     grows once the recomputed positions pass the ridge point."""
     if use_cache:

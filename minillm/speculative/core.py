@@ -46,7 +46,6 @@ import torch.nn.functional as F
 from minillm.model.llama import Llama
 from minillm.model.runner import GROUP_COST_BLOCKS, ModelRunner, PagedKVCache, build_batch
 from minillm.model.positions import RopeTable
-from minillm.perf.roofline import expected_tokens_per_call
 from minillm.engine.sampling import SamplingParams, filtered_probs
 from minillm.model.transforms import fuse_projections, is_fused
 
@@ -113,19 +112,6 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, targ
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """alpha = sum_x min(p(x), q(x)): the chance one drafted token is accepted. p, q (..., V)."""
     return torch.minimum(p, q).sum(-1)
-
-
-def expected_speedup(alpha: float, k: int, cost_ratio: float, verify_cost: float = 1.0) -> float:
-    """Leviathan et al.: tokens per call / (k * c + v), c = draft step time / target step time and
-    v = the time of a target call over k + 1 positions in target steps (they assume v = 1; lesson 08
-    measures it well above 1 on a CPU)."""
-    return expected_tokens_per_call(alpha, k) / (k * cost_ratio + verify_cost)
-
-
-def best_k(alpha: float, cost_ratio: float, max_k: int = MAX_SPECULATIVE_TOKENS, verify_cost: float = 1.0) -> int:
-    """The number of guesses (1..max_k) with the highest expected_speedup: more guesses pay only while
-    alpha^k is not negligible next to the cost k * c of drafting them."""
-    return max(range(1, max_k + 1), key=lambda k: expected_speedup(alpha, k, cost_ratio, verify_cost))
 
 
 # ---- the adaptive policy: how many drafts pay (batch 1 here; the engine's batch: speculative_engine.py) ----

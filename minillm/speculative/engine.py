@@ -37,24 +37,7 @@ import time
 import torch
 
 from .core import (DraftPool, ModelDraft, NgramDraft, StepCostModel, draft_model, estimate_alpha,
-                          expected_tokens_per_call, plan_draft_lengths, verify)
-
-
-def roofline_speedup(alpha: float, k: int, batch: int, ridge_tokens: float) -> float:
-    """Throughput of speculating k drafts per request over plain decoding, at `batch` requests, when a
-    step over N tokens takes t(N) = max(1, N / ridge_tokens) (flat while reading the weights is the
-    cost, linear once arithmetic is; drafting free): E(alpha, k) tokens per request-step for the price
-    of t(batch (1 + k)) instead of t(batch)."""
-    def t(n):
-        return max(1.0, n / ridge_tokens)
-    return expected_tokens_per_call(alpha, k) * t(batch) / t(batch * (1 + k))
-
-
-def crossover_batch(alpha: float, k: int, ridge_tokens: float) -> float:
-    """The batch size where roofline_speedup falls to 1: ridge_tokens * E(alpha, k) / (1 + k).
-    Below it the drafts ride in the step's spare arithmetic; above it each rejected draft is paid. No KV
-    bytes in it: roofline.speculative_crossover_batch adds them (at real contexts the crossover moves out)."""
-    return ridge_tokens * expected_tokens_per_call(alpha, k) / (1 + k)
+                          plan_draft_lengths, verify)
 
 
 class EngineSpeculation:

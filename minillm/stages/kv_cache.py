@@ -5,9 +5,9 @@ generating n tokens costs O(n^2) projections. With it, each step projects only t
 writes its K/V into a preallocated buffer and attends over the stored ones.
 
 The cache is contiguous and preallocated, one buffer per layer of shape (B, Hkv, max_len, D),
-with a length per sequence, so prompts of different lengths can share a batch. Its size is
-the article's formula (see kv_cache_bytes). Paging (minillm/kvcache/block_manager.py) removes the
-waste of reserving max_len for every sequence.
+with a length per sequence, so prompts of different lengths can share a batch. Its size is the
+article's formula (minillm/course/calculators.py: kv_cache_bytes). Paging (minillm/kvcache/block_manager.py)
+removes the waste of reserving max_len for every sequence.
 
 forward_cached() runs the *same* modules as the baseline (model.layers[i].attn.wq, ...);
 what is new is marked  # NEW: cache.
@@ -19,30 +19,6 @@ import torch
 from minillm.attention.gqa import grouped_attention
 from minillm.model.llama import Llama, ModelConfig
 from minillm.model.positions import rope_cos_sin
-
-
-def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, batch: int,
-                   dtype_bytes: float) -> float:
-    """The article's formula: 2 (K and V) x layers x kv_heads x head_dim x seq_len x batch x bytes."""
-    return 2 * n_layers * n_kv_heads * head_dim * seq_len * batch * dtype_bytes
-
-
-def mla_kv_cache_bytes(n_layers: int, kv_lora_rank: int, rope_head_dim: int, seq_len: int, batch: int,
-                       dtype_bytes: float) -> float:
-    """Multi-head latent attention (DeepSeek-V2/V3) caches, per token and layer, one latent vector
-    c_KV (kv_lora_rank wide, shared by all heads' K and V) plus one RoPE key shared by all heads:
-    layers x (kv_lora_rank + rope_head_dim) x seq_len x batch x bytes. No factor 2, no head count."""
-    return n_layers * (kv_lora_rank + rope_head_dim) * seq_len * batch * dtype_bytes
-
-
-def positions_computed(prompt_len: int, new_tokens: int, use_cache: bool) -> int:
-    """Token positions pushed through the model to generate new_tokens greedy tokens after a prompt:
-    what the projections and MLPs cost, in tokens. Without a cache (generate_greedy_naive) step i
-    recomputes all prompt_len + i positions, quadratic in the length; with one (generate_greedy) the
-    prompt runs once and every later step runs only its one new token (the last token is never fed)."""
-    if use_cache:
-        return prompt_len + new_tokens - 1
-    return prompt_len * new_tokens + new_tokens * (new_tokens - 1) // 2
 
 
 class KVCache:

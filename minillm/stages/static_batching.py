@@ -19,14 +19,6 @@ from .kv_cache import KVCache, forward_cached
 from minillm.model.llama import Llama
 
 
-def padding_fraction(max_tokens: list[int], batch_size: int) -> float:
-    """Share of the decode rows static batching computes for requests that are already done: each
-    batch of batch_size requests (in order) runs as many steps as its longest request, every row every
-    step (generate_static's 1 - useful_tokens / computed_tokens when no request stops early)."""
-    batches = [max_tokens[i:i + batch_size] for i in range(0, len(max_tokens), batch_size)]
-    return 1 - sum(max_tokens) / sum(len(b) * max(b) for b in batches)
-
-
 @torch.no_grad()
 def generate_static(model: Llama, prompts: list[list[int]], max_tokens: list[int], batch_size: int,
                     eos_token_id: int | None = None) -> dict:

@@ -5,7 +5,8 @@ from minillm.kvcache.block_manager import BlockManager
 from minillm.engine.outputs import RequestMetrics
 from minillm.engine.request import Request, RequestStatus
 from minillm.engine.sampling import SamplingParams
-from minillm.engine.scheduler import Scheduler, chunked_prefill_steps
+from minillm.engine.scheduler import Scheduler
+from minillm.course.calculators import chunked_prefill_steps
 
 
 def make_request(rid, prompt_len, max_tokens=4, first_token=100):

@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from minillm.kvcache.block_manager import BlockManager, OutOfBlocks, blocks_after_parallel_sampling, prefix_hit_tokens
+from minillm.kvcache.block_manager import BlockManager, OutOfBlocks
+from minillm.course.calculators import blocks_after_parallel_sampling, prefix_hit_tokens
 from minillm.attention.paged import (
     allocate_kv_cache, block_table_tensor, copy_blocks, gather_kv, paged_attention_reference,
     paged_attention_split, store_kv_reference,

@@ -52,7 +52,8 @@ def test_table_has_tp_and_pp_rows_for_1_to_8():
 
 
 def test_gpipe_schedule_idles_the_bubble_fraction():
-    from minillm.parallel.pipeline import bubble_fraction, gpipe_schedule
+    from minillm.parallel.pipeline import gpipe_schedule
+    from minillm.course.calculators import bubble_fraction
     for p, m in [(1, 4), (3, 1), (3, 4), (4, 12)]:
         slots = gpipe_schedule(p, m)
         span = max(t for _, _, t in slots) + 1

@@ -168,7 +168,7 @@ def test_speculative_crossover_with_the_kv_cache_against_a_hand_count():
     each request's KV once), so the crossover B = E W R / ((1 + k) F - E R m) moves out with the context."""
     from minillm.perf.roofline import (expected_tokens_per_call, speculation_always_pays_context,
                                   speculative_crossover_batch, speculative_roofline_speedup)
-    from minillm.speculative.engine import crossover_batch
+    from minillm.course.calculators import crossover_batch
 
     e = (1 - 0.8 ** 5) / 0.2                                                  # 3.36 tokens per verification
     assert expected_tokens_per_call(0.8, 4) == pytest.approx(e) and expected_tokens_per_call(1.0, 4) == 5

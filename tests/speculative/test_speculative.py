@@ -14,8 +14,10 @@ from minillm.stages.reference import stream_contiguous
 from minillm.model.llama import random_model, tiny_config
 from minillm.engine.sampling import filtered_probs
 from minillm.speculative.core import (METHODS, DraftPool, ModelDraft, NgramDraft, SpecStats, acceptance_probability,
-                                 best_k, check_args, default_skipped_layers, expected_speedup, expected_tokens_per_call,
-                                 greedy_verify, layer_subset, make_draft, rejection_sample, verify)
+                                      check_args, default_skipped_layers, greedy_verify, layer_subset, make_draft,
+                                      rejection_sample, verify)
+from minillm.perf.roofline import expected_tokens_per_call
+from minillm.course.calculators import best_k, expected_speedup
 from minillm.stages.speculative_loop import Stepper, speculative_stream
 
 V = 10                                 # small vocabulary for the statistical tests

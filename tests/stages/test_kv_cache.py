@@ -2,9 +2,8 @@
 import pytest
 import torch
 
-from minillm.stages.kv_cache import (KVCache, forward_cached, generate_greedy, generate_greedy_naive, kv_cache_bytes,
-                              positions_computed,
-                              mla_kv_cache_bytes)
+from minillm.stages.kv_cache import KVCache, forward_cached, generate_greedy, generate_greedy_naive
+from minillm.course.calculators import kv_cache_bytes, positions_computed, mla_kv_cache_bytes
 from minillm.model.llama import random_model, tiny_config
 from minillm.model.shapes import SMOLLM2_135M
 

@@ -12,7 +12,8 @@ import time
 import torch
 import matplotlib.pyplot as plt
 from minillm.loading.loader import load_model
-from minillm.stages.kv_cache import KVCache, forward_cached, generate_greedy, generate_greedy_naive, kv_cache_bytes
+from minillm.stages.kv_cache import KVCache, forward_cached, generate_greedy, generate_greedy_naive
+from minillm.course.calculators import kv_cache_bytes
 from minillm.course.benchmarks.common import time_median
 from minillm.course.notebook import start
 from minillm.course.benchmarks.kv_cache import step_latency, prefill_decode

@@ -21,8 +21,8 @@ import torch
 import matplotlib.pyplot as plt
 %matplotlib inline
 
-from minillm.speculative.core import (rejection_sample, acceptance_probability, expected_tokens_per_call,
-                                 expected_speedup, SpecStats, make_draft)
+from minillm.speculative.core import rejection_sample, acceptance_probability, SpecStats, make_draft
+from minillm.course.calculators import expected_speedup, expected_tokens_per_call
 from minillm.stages.speculative_loop import speculative_stream    # lesson 08's per-request loop (a teaching stage)
 from minillm.course.notebook import start
 from minillm.stages.reference import stream_contiguous

@@ -18,7 +18,8 @@ from minillm.model.llama import tiny_config
 from minillm.parallel.calculator import table, tp_bytes_per_token
 from minillm.parallel.checks import shard_vs_full
 from minillm.parallel.launch import launch
-from minillm.parallel.pipeline import bubble_fraction, gpipe_schedule
+from minillm.parallel.pipeline import gpipe_schedule
+from minillm.course.calculators import bubble_fraction
 from minillm.course.notebook import start
 from minillm.perf.roofline import LLAMA3_70B
 # the ranks are CPU processes talking over gloo, on any machine: one GPU cannot host three ranks

@@ -5,7 +5,8 @@ import torch
 
 from minillm.evaluate import perplexity
 from minillm.attention.gqa import convert_kv_heads
-from minillm.stages.kv_cache import KVCache, kv_cache_bytes
+from minillm.stages.kv_cache import KVCache
+from minillm.course.calculators import kv_cache_bytes
 from minillm.model.llama import ModelConfig
 from minillm.model.shapes import SMOLLM2_135M
 from .common import document

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from minillm.kvcache.block_manager import BlockManager
-from minillm.stages.kv_cache import kv_cache_bytes
+from minillm.course.calculators import kv_cache_bytes
 from minillm.attention.paged import block_table_tensor
 from minillm.engine.request import Request as EngineRequest
 from .common import document

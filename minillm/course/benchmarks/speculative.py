@@ -28,8 +28,9 @@ from minillm.model.llama import Llama
 from minillm.stages.reference import stream_contiguous
 from minillm.engine.sampling import SamplingParams
 from minillm.stages.fast_decode import FastDecoder
-from minillm.speculative.core import (METHODS, SpecStats, bf16_copy, default_skipped_layers, expected_speedup,
-                           expected_tokens_per_call, layer_subset, make_draft)
+from minillm.speculative.core import METHODS, SpecStats, bf16_copy, default_skipped_layers, layer_subset, make_draft
+from minillm.perf.roofline import expected_tokens_per_call
+from minillm.course.calculators import expected_speedup
 from minillm.stages.speculative_loop import Stepper, speculative_stream
 
 NAME = "speculative"
