@@ -52,11 +52,6 @@ def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stri
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
         # BEGIN SOLUTION flash_triton
-        # HINT: scores of this tile in log2 units: s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale.
-        # HINT: If MASK: keep only keys < Tk and, if CAUSAL, keys <= pos_offset + row (tl.where(.., s, -inf)).
-        # HINT: Online softmax with exp2: m_new = max(m_i, row max of s); p = exp2(s - m_new);
-        # HINT: alpha = exp2(m_i - m_new); l_i = l_i * alpha + row sum of p; acc = acc * alpha, then
-        # HINT: acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION); m_i = m_new.
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MASK:
             keep = (cols < Tk)[None, :]
@@ -121,9 +116,6 @@ def _attn_fwd(Q, K, V, O, LSE,
                                     HEAD_DIM, BLOCK_N, CAUSAL, True, True, UPCAST, DOT_PRECISION)
 
     # BEGIN SOLUTION flash_triton
-    # HINT: normalise: o = acc / l_i per row; store it in O's dtype under the q_ok mask (same
-    # HINT: pointers as the q load, with O's strides). The LSE is in log2 units until converted:
-    # HINT: lse = (m_i + log2(l_i)) * ln 2, stored at LSE + bh * Tq + offs_m for rows < Tq.
     o = acc / l_i[:, None]                                           # (BLOCK_M, BLOCK_D)
     tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
              o.to(O.dtype.element_ty), mask=q_ok)

@@ -108,13 +108,6 @@ def flash_attention_torch(q, k, v, causal: bool = True, sm_scale: float | None =
     lse = torch.empty(qg.shape[:-1], dtype=torch.float32, device=q.device)   # (B, Hkv, G, Tq)
 
     # BEGIN SOLUTION online_softmax
-    # HINT: for each tile of block_m query rows (absolute positions offset + start_m + 0..bm-1), in
-    # HINT: float32: m = -inf, l = 0, acc = 0; for each tile of block_n keys (with causal, stop after
-    # HINT: the last key the tile's last row may see): s = q_tile @ k_tile^T * scale, masked to -inf
-    # HINT: where key > row; m_new = max(m, rowmax s); p = exp(s - m_new); alpha = exp(m - m_new);
-    # HINT: l = l * alpha + rowsum p; acc = acc * alpha + p @ v_tile; m = m_new. Then write
-    # HINT: o = acc / l (in q's dtype) and lse = m + log(l) for those rows. Use qg, kg, vg (GQA
-    # HINT: broadcasts, no copies) and never build more than one (bm x bn) tile of scores.
     for start_m in range(0, Tq, block_m):
         q_tile = qg[..., start_m:start_m + block_m, :].float()               # (B, Hkv, G, bm, D)
         bm = q_tile.shape[-2]

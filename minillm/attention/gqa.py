@@ -20,12 +20,6 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q (B, Hq, T, D); k, v (B, Hkv, S, D); mask (B or 1, 1, T, S) bool, True = may attend.
     Returns (B, Hq, T, D)."""
     # BEGIN SOLUTION gqa
-    # HINT: query head h reads KV head h // G, G = Hq // Hkv, and the G heads of a group are
-    # HINT: consecutive. Fold them into the query axis with a reshape (no copy): q -> (B, Hkv, G*T, D),
-    # HINT: so one matmul against k (B, Hkv, S, D) scores all of them: (B, Hkv, G*T, S). Scale by
-    # HINT: 1/sqrt(D); for the mask, view the scores as (B, Hkv, G, T, S) and broadcast mask over G;
-    # HINT: softmax in float32; multiply by v; view the result back as (B, Hq, T, D).
-    # HINT: Never call repeat_interleave / repeat / expand+contiguous on k or v: that is the baseline.
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -48,9 +42,6 @@ def mean_pool_kv_heads(weight: torch.Tensor, n_kv_heads: int, new_kv_heads: int)
     if n_kv_heads % new_kv_heads:
         raise ValueError(f"new_kv_heads ({new_kv_heads}) must divide n_kv_heads ({n_kv_heads})")
     # BEGIN SOLUTION gqa
-    # HINT: rows are head 0's D rows, then head 1's, ... New head j averages old heads
-    # HINT: j*r .. j*r + r - 1 (r = n_kv_heads // new_kv_heads): reshape the rows to
-    # HINT: (new_kv_heads, r, D, ...), take the mean over the r axis, reshape back to 2-D (or 1-D for a bias).
     D = weight.shape[0] // n_kv_heads
     grouped = weight.reshape(new_kv_heads, n_kv_heads // new_kv_heads, D, *weight.shape[1:])
     return grouped.mean(dim=1).reshape(new_kv_heads * D, *weight.shape[1:])

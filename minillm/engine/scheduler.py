@@ -85,18 +85,6 @@ class Scheduler:
     # --- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         # BEGIN SOLUTION scheduler
-        # HINT: follow the module docstring. budget = max_num_batched_tokens. (1) Running requests,
-        # HINT: oldest first, while budget > 0: self._fit_drafts(req, budget), then n =
-        # HINT: min(num_tokens_with_spec - num_computed_tokens, budget); while bm.can_append_slots(req,
-        # HINT: req.num_tokens_with_spec) says no, preempt the NEWEST running request (self._preempt, record it
-        # HINT: in out.preempted; stop if it was this request); then out.block_copies +=
-        # HINT: bm.append_slots(req, req.num_tokens_with_spec) and schedule n tokens. (2) Unless this
-        # HINT: step preempted, admit waiting requests in order while budget > 0 and fewer than max_num_seqs run: a
-        # HINT: prefix-cache hit (bm.cached_prefix_tokens(req), only when params.prompt_logprobs is None) is
-        # HINT: already computed; without chunked prefill the rest must fit the budget; stop when
-        # HINT: bm.can_allocate(req, use_prefix_cache=...) says no; bm.allocate(req, use_prefix_cache=...) gives
-        # HINT: num_computed_tokens (also num_cached_tokens); the request becomes RUNNING and gets
-        # HINT: min(remaining, budget) tokens. The block manager reads tokens and counts from req itself.
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
@@ -167,9 +155,6 @@ class Scheduler:
         """Preemption by recompute: free every block, forget the computed tokens, and put the
         request at the FRONT of the waiting queue so it resumes before anything newer."""
         # BEGIN SOLUTION scheduler
-        # HINT: remove it from running, free its blocks (self.block_manager.free(req.request_id)), status
-        # HINT: WAITING, num_computed_tokens 0, forget its speculative drafts (spec_token_ids [], spec_probs
-        # HINT: None) and its prompt_logits, count num_preemptions, and put it at the FRONT of waiting (appendleft).
         self.running.remove(req)
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.WAITING

@@ -112,11 +112,6 @@ def allowed_tokens(table: torch.Tensor, dead: int, state: int, sorted_bytes: tor
     token first, zero-padded; active[i]: how many of those tokens have more than i bytes;
     order (V,): sorted row -> token id. Tokens with no bytes (special ones) are never allowed."""
     # BEGIN SOLUTION token_mask
-    # HINT: walk all tokens at once. rows = the sorted rows that have bytes (0..active[0]-1), cur = a tensor
-    # HINT: of `state` for each. For byte position i: the first k = active[i] rows still have a byte i
-    # HINT: (rows stay ascending, so k = torch.searchsorted(rows, active[i])); cur[:k] = table[cur[:k],
-    # HINT: sorted_bytes[rows[:k], i]]; then drop the rows whose cur is the dead state (they can never
-    # HINT: come back). The rows left are the allowed tokens: out[order[rows]] = True.
     rows = torch.arange(active[0] if active else 0)                              # (R,) live sorted rows
     cur = torch.full((len(rows),), state, dtype=torch.long)                      # (R,) their DFA state
     for i, n in enumerate(active):

@@ -102,9 +102,6 @@ class BlockPool:
 
     def allocate(self) -> int:
         # BEGIN SOLUTION paged_blocks
-        # HINT: take the oldest never-cached free block (self._free is a deque, popleft); if there is
-        # HINT: none, evict the least recently used cached block (self.prefix_cache.evict(), when a
-        # HINT: prefix cache exists and has evictable blocks); else raise OutOfBlocks. Its holder count is 1.
         if self._free:
             block = self._free.popleft()
         elif self.prefix_cache is not None and self.prefix_cache.num_evictable:
@@ -118,8 +115,6 @@ class BlockPool:
     def acquire(self, block: int) -> None:
         """One more holder of a block that holds valid K/V (a fork, or a prefix-cache hit)."""
         # BEGIN SOLUTION paged_blocks
-        # HINT: a block nobody holds may only be shared if the prefix cache still keeps it (evictable):
-        # HINT: revive it there; a plain free block holds nothing valid (RuntimeError). Count the holder.
         if self.ref_counts[block] == 0:
             if self.prefix_cache is None or not self.prefix_cache.is_evictable(block):
                 raise RuntimeError(f"block {block} is free: nothing valid to share")
@@ -129,9 +124,6 @@ class BlockPool:
 
     def release(self, block: int) -> None:
         # BEGIN SOLUTION paged_blocks
-        # HINT: releasing a block nobody holds is a double free (RuntimeError). When the last holder
-        # HINT: lets go: a block the prefix cache knows stays findable (self.prefix_cache.release),
-        # HINT: any other block goes to the END of the free list.
         if self.ref_counts[block] <= 0:
             raise RuntimeError(f"double free of block {block}")
         self.ref_counts[block] -= 1

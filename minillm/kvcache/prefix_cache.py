@@ -43,8 +43,6 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     versions) so that the same prefix has the same name in every process and every run.
     """
     # BEGIN SOLUTION paged_blocks
-    # HINT: bytes of the parent hash (16, little-endian) followed by the token ids packed as int64
-    # HINT: (struct.pack("<Nq", ...)); sha256 them and keep the first 16 bytes of the digest as an int.
     data = parent_hash.to_bytes(16, "little") + struct.pack(f"<{len(token_ids)}q", *token_ids)
     return int.from_bytes(hashlib.sha256(data).digest()[:16], "little")
     # END SOLUTION
@@ -54,8 +52,6 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, start: int = 0,
                  parent_hash: int = ROOT_HASH) -> list[int]:
     """Hashes of the full blocks start, start+1, ... of token_ids (parent_hash: block start-1's)."""
     # BEGIN SOLUTION paged_blocks
-    # HINT: one hash per FULL block from block `start` on (a partial last block gets none); each
-    # HINT: block's hash is hash_block(previous block's hash, its tokens), starting from parent_hash.
     hashes = []
     for first in range(start * block_size, len(token_ids) - block_size + 1, block_size):
         parent_hash = hash_block(parent_hash, token_ids[first:first + block_size])
@@ -85,9 +81,6 @@ class PrefixCache:
         hashes: the chain of token_ids' full blocks if the caller already has it.
         """
         # BEGIN SOLUTION paged_blocks
-        # HINT: at most (n - 1) // block_size blocks may hit (one token must still run). Walk the chain
-        # HINT: block by block: look the hash up in self._block_of and CONFIRM the entry's parent hash and
-        # HINT: tokens (self._entry[block] is (hash, parent, tokens)); stop at the first miss.
         max_blocks = (len(token_ids) - 1) // block_size        # leave >= 1 token to compute
         if hashes is None:
             hashes = chain_hashes(token_ids[:max_blocks * block_size], block_size)
@@ -173,8 +166,6 @@ class PrefixCache:
     def evict(self) -> int | None:
         """Unregister and return the least recently used evictable block (None if there is none)."""
         # BEGIN SOLUTION paged_blocks
-        # HINT: the least recently used evictable block is the first of the OrderedDict (popitem(last=False));
-        # HINT: unregister it from both tables before handing it out: its K/V is about to be overwritten.
         if not self._evictable:
             return None
         block, _ = self._evictable.popitem(last=False)

@@ -56,9 +56,6 @@ def row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """x (..., in/N): this rank's slice of the input features; weight (out, in/N): the matching
     columns of W. Returns x_full W^T + bias (..., out), the same on every rank."""
     # BEGIN SOLUTION row_parallel
-    # HINT: x_full W^T = sum over ranks r of x_r W_r^T. Compute this rank's term with F.linear,
-    # HINT: sum the terms with all_reduce (minillm.parallel.comm, it counts the bytes), then add
-    # HINT: the bias ONCE (after the sum: adding it on every rank would add it N times).
     partial = F.linear(x, weight)                                  # (..., out): one term of the sum
     out = all_reduce(partial, group)                               # (..., out): the whole sum
     # END SOLUTION

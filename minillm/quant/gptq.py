@@ -39,8 +39,6 @@ class HessianAccumulator:
 
     def add(self, x: torch.Tensor) -> None:                  # x: (..., in)
         # BEGIN SOLUTION gptq
-        # HINT: x may be (batch, tokens, in): flatten it to (n, in) rows (float32), add x^T x to
-        # HINT: self.sum and count the rows in self.count.
         x = x.reshape(-1, x.shape[-1]).float()               # (n, in)
         self.sum += x.T @ x
         self.count += x.shape[0]
@@ -48,7 +46,6 @@ class HessianAccumulator:
 
     def hessian(self) -> torch.Tensor:
         # BEGIN SOLUTION gptq
-        # HINT: H = 2/n * sum of x x^T over all n rows seen.
         return 2 * self.sum / self.count
         # END SOLUTION
 
@@ -57,9 +54,6 @@ def inverse_hessian_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
     """Upper Cholesky factor U of H^-1 (H^-1 = U^T U): row i of U, divided by U_ii, is the
     update direction for column i given that columns < i are already fixed."""
     # BEGIN SOLUTION gptq
-    # HINT: do not modify the caller's H. Dampen: add damp * mean(diag H) to the diagonal. Invert it
-    # HINT: through its Cholesky factor (torch.linalg.cholesky, then torch.cholesky_inverse), and
-    # HINT: return the UPPER Cholesky factor of that inverse (torch.linalg.cholesky(..., upper=True)).
     H = H.clone()
     H.diagonal().add_(damp * H.diagonal().mean())
     L = torch.linalg.cholesky(H)
@@ -94,13 +88,6 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size
     scale = torch.zeros(O, n_groups, dtype=torch.float32, device=W.device)
     zero = torch.zeros(O, n_groups, dtype=torch.float32, device=W.device)
     # BEGIN SOLUTION gptq
-    # HINT: walk the columns in blocks [b0, b1) of `blocksize`. Inside a block, for each column
-    # HINT: col = b0 + i: when col starts a group (col % group_size == 0) choose s, z with
-    # HINT: int4.scale_zero on the group's columns AS UPDATED SO FAR and store them in scale/zero;
-    # HINT: quantise the column (int4.quantize_codes) into codes[:, col]; its error scaled by the
-    # HINT: pivot, err = (w - (q - z) * s) / Hinv[col, col], updates the block's remaining columns:
-    # HINT: W1[:, i:] -= err x Hinv[col, col:b1]. After the block, apply all its errors at once to the
-    # HINT: columns after it: W[:, b1:] -= Err (O, nb) @ Hinv[b0:b1, b1:] (the lazy batch update).
     for b0 in range(0, I, blocksize):
         b1 = min(b0 + blocksize, I)
         W1 = W[:, b0:b1].clone()                             # (O, nb): this block, updated eagerly

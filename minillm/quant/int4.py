@@ -31,10 +31,6 @@ FP16_TINY = torch.finfo(torch.float16).tiny   # smallest normal fp16: scales are
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Unsigned codes (..., n) with values < 2^bits -> uint8 (..., n * bits / 8)."""
     # BEGIN SOLUTION nf4_rtn
-    # HINT: 4 bits: two codes per byte, the FIRST of each pair in the high nibble: (c[0::2] << 4) | c[1::2].
-    # HINT: 3 bits: every 8 codes make one 24-bit word, code i at bits 3i..3i+2 (first code lowest);
-    # HINT: store the word's bytes low byte first. Raise ValueError for a row length that cannot be
-    # HINT: packed and for any other bits.
     if bits == 4:
         if codes.shape[-1] % 2:
             raise ValueError(f"4-bit packing needs an even number of values per row, got {codes.shape[-1]}")
@@ -55,8 +51,6 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of pack: uint8 (..., m) -> uint8 codes (..., m * 8 / bits)."""
     # BEGIN SOLUTION nf4_rtn
-    # HINT: undo pack exactly: 4 bits -> (byte >> 4, byte & 0xF) interleaved back in order;
-    # HINT: 3 bits -> rebuild each 24-bit word from 3 bytes, then shift out 8 codes of 3 bits (& 0x7).
     if bits == 4:
         high, low = packed >> 4, packed & 0xF                        # (..., m) each
         return torch.stack((high, low), dim=-1).flatten(-2)          # (..., 2m)
@@ -81,10 +75,6 @@ def scale_zero(w: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tenso
     """Scale and zero point of each row of w (..., G) -> s (...), z (...) as float32.
     s is already rounded to fp16, the precision it is stored in."""
     # BEGIN SOLUTION nf4_rtn
-    # HINT: follow the formulas in the module docstring, reducing over the last axis. Symmetric:
-    # HINT: s = max|w| / (2^(b-1) - 1), z = 2^(b-1). Asymmetric: stretch the range to include 0
-    # HINT: (lo = min(w, 0), hi = max(w, 0)), s = (hi - lo) / (2^b - 1), z = round(-lo / s) clamped
-    # HINT: to the codes. Clamp s to FP16_TINY and round it through fp16 (.half().float()) BEFORE z.
     w = w.float()
     maxq = 2 ** bits - 1
     if symmetric:
@@ -102,7 +92,6 @@ def scale_zero(w: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tenso
 def quantize_codes(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes of w (..., G) for per-row s, z (...) -> float tensor of integers in [0, 2^bits - 1]."""
     # BEGIN SOLUTION nf4_rtn
-    # HINT: q = clamp(round(w / s) + z, 0, 2^bits - 1), with s and z broadcast over the last axis.
     return torch.clamp(torch.round(w.float() / s[..., None]) + z[..., None], 0, 2 ** bits - 1)
     # END SOLUTION
 
@@ -155,9 +144,6 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | N
     codes = unpack(packed, bits)                                         # (O, I) uint8
     in_f = codes.shape[1]
     # BEGIN SOLUTION nf4_rtn
-    # HINT: w = (q - z) * s per group: cut the codes into groups (grouped()), take z from `zero`
-    # HINT: or, when symmetric (zero is None), the constant 2^(bits-1); flatten the groups back to
-    # HINT: (out, in) and drop the padding beyond in_f columns.
     z = zero.float() if zero is not None else torch.full(scale.shape, 2.0 ** (bits - 1), device=scale.device)
     groups = grouped(codes, group_size).float()                          # (O, ng, G)
     w = ((groups - z[..., None]) * scale.float()[..., None]).flatten(1)[:, :in_f]  # (O, I)

@@ -51,10 +51,6 @@ def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, block: int) -> tuple
     """Flat x (n,) -> codes uint8 (n,) (nearest entry of the sorted `code`), absmax fp32 (ceil(n/block),).
     A last partial block is quantised with its own absmax."""
     # BEGIN SOLUTION nf4_rtn
-    # HINT: pad x with zeros to whole blocks and view it as (nb, block); absmax = max |x| per block.
-    # HINT: Scale by MULTIPLYING with 1 / absmax (bitsandbytes does; dividing differs in the last bit),
-    # HINT: clamp to [-1, 1], drop the padding. The nearest code: count how many midpoints between
-    # HINT: neighbouring codes lie strictly below the value (torch.searchsorted; a tie goes to the lower code).
     n = x.numel()
     padded = torch.nn.functional.pad(x.float(), (0, (-n) % block))      # zeros do not change an absmax
     blocks = padded.view(-1, block)                                      # (nb, block)
@@ -70,7 +66,6 @@ def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, block: int) -> tuple
 def dequantize_blockwise(q: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, block: int) -> torch.Tensor:
     """codes (n,) -> code[q] * absmax of its block, float32 (n,)."""
     # BEGIN SOLUTION nf4_rtn
-    # HINT: look the codes up in `code`, pad to whole blocks, multiply each block by its absmax, drop the padding.
     n = q.numel()
     values = code.to(q.device)[q.long()]                                  # (n,)
     values = torch.nn.functional.pad(values, (0, (-n) % block)).view(-1, block)

@@ -64,9 +64,6 @@ def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     The target's argmax at every position IS what greedy decoding would emit there, as long as
     every earlier draft token matched; the first mismatch is replaced by the target's choice."""
     # BEGIN SOLUTION rejection_sampler
-    # HINT: the target's choice at every position is argmax of its logits (B, k+1). The number
-    # HINT: accepted is the count of LEADING positions where the draft equals that choice (a cumulative
-    # HINT: product of the matches does it without a loop). The tokens are simply the target's choices.
     k = draft_tokens.shape[1]
     choice = target_logits.argmax(-1)                                   # (B, k+1)
     match = draft_tokens == choice[:, :k]                               # (B, k)
@@ -82,11 +79,6 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, targ
     Returns tokens (B, k+1) and num_accepted (B,): row b emits tokens[b, :num_accepted[b] + 1],
     and that sequence is distributed exactly as k + 1 tokens sampled from the target one by one."""
     # BEGIN SOLUTION rejection_sampler
-    # HINT: accept d_i with probability min(1, p(d_i) / q(d_i)): draw u ~ U(0, 1) per position (with
-    # HINT: `generator`) and accept when u * q(d_i) < p(d_i); num_accepted = leading accepts. The one
-    # HINT: extra token is sampled from norm(max(0, p - q)) at the first rejected position, or from
-    # HINT: p_k (the bonus) when all k were accepted (torch.multinomial with `generator`). Output
-    # HINT: tokens (B, k+1): the draft tokens, with the extra token written at index num_accepted.
     B, k = draft_tokens.shape
     rows = torch.arange(B, device=draft_tokens.device)
     p_d = target_probs[:, :k].gather(-1, draft_tokens[..., None])[..., 0]   # (B, k) p(d_i)

@@ -36,9 +36,6 @@ class KVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """k, v (B, Hkv, T, D) for positions (B, T): scattered along the sequence axis."""
         # BEGIN SOLUTION kv_cache
-        # HINT: self.k[layer] is (B, Hkv, max_len, D). Token t of row b belongs at sequence position
-        # HINT: positions[b, t] (dim 2), in every KV head. Build an index shaped like k from positions
-        # HINT: (add the head and D axes, then expand) and use Tensor.scatter_ along dim 2; same for v.
         index = positions[:, None, :, None].expand_as(k)           # (B, Hkv, T, D)
         self.k[layer].scatter_(2, index, k)
         self.v[layer].scatter_(2, index, v)
@@ -72,11 +69,6 @@ def forward_cached(model: Llama, tokens: torch.Tensor, cache: KVCache, num_new: 
     if int((start + T).max()) > cache.max_len:
         raise ValueError(f"KV cache holds {cache.max_len} positions; this step needs {int((start + T).max())}")
     # BEGIN SOLUTION kv_cache
-    # HINT: the T new tokens continue each sequence where its cache ends: positions (B, T) is
-    # HINT: start[b] + 0, 1, ..., T-1. RoPE needs the angles of those positions: rope_cos_sin(positions,
-    # HINT: cfg.head_dim, cfg.rope_theta, cfg.rope_scaling) gives (B, T, D/2); add a head axis -> (B, 1, T, D/2).
-    # HINT: Attention reads S = max(start + T) cached keys; mask (B, 1, T, S) is True where the key's
-    # HINT: position <= the query's position (causal, and it hides another row's unused slots).
     positions = start[:, None] + torch.arange(T, device=tokens.device)   # (B, T)
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)   # (B, T, D/2)
     cos, sin = cos[:, None], sin[:, None]                                # (B, 1, T, D/2)
@@ -89,8 +81,6 @@ def forward_cached(model: Llama, tokens: torch.Tensor, cache: KVCache, num_new: 
         x = layer.attn_norm(h)
         q, k, v = layer.attn.project_qkv(x, cos, sin)                    # (B, H, T, D)
         # BEGIN SOLUTION kv_cache
-        # HINT: store this layer's new k, v at their positions (cache.write), then take everything the
-        # HINT: cache holds for layer i at positions 0..S-1: keys, values, each (B, Hkv, S, D).
         cache.write(i, k, v, positions)                                  # NEW: cache
         keys, values = cache.k[i, :, :, :S], cache.v[i, :, :, :S]        # NEW: (B, Hkv, S, D)
         # END SOLUTION
@@ -98,7 +88,6 @@ def forward_cached(model: Llama, tokens: torch.Tensor, cache: KVCache, num_new: 
         h = h + layer.attn.wo(out.transpose(1, 2).reshape(B, T, -1))
         h = h + layer.ffn(layer.ffn_norm(h))
     # BEGIN SOLUTION kv_cache
-    # HINT: each sequence now holds num_new[b] more real tokens (padding beyond them is not counted).
     cache.lengths = start + num_new
     # END SOLUTION
     if all_logits:

@@ -5,6 +5,7 @@ crashing the grader, and the copy still imports minillm and runs the tiny model.
 are subprocesses (marked slow); the marker and CLI tests are fast.
 """
 import csv
+import re
 import shutil
 import subprocess
 import sys
@@ -64,9 +65,30 @@ def test_every_test_a_lab_names_is_collected(request):
     assert not missing, missing
 
 
-def test_no_marker_sits_outside_a_registered_lab_and_every_region_has_a_hint():
-    for region in labs.find_regions(REPO):
-        assert region.lab in labs.LABS and region.hint, str(region)
+def test_no_marker_sits_outside_a_registered_lab_and_every_region_has_a_hint_in_its_labs_hint_file():
+    regions = labs.find_regions(REPO)
+    assert all(region.lab in labs.LABS for region in regions)
+    for lab in labs.LABS:
+        mine = [r for r in regions if r.lab == lab]
+        hints = labs.hints_by_region(mine, lab, REPO)              # one section per region, in order
+        assert len(hints) == len(mine) > 0 and all(hints.values()), lab
+
+
+def test_no_hint_line_in_library_or_kernel_code():
+    """Hints are for students (lessons/labs/hints/); a reader of the library reads code and comments on why."""
+    found = [f"{p.relative_to(REPO)}:{no}" for p in sorted([*(REPO / "minillm").rglob("*.py"), *(REPO / "kernels").glob("*.py")])
+             for no, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if re.match(r"\s*#\s*HINT\b", line)]
+    assert not found, found
+
+
+def test_a_hint_file_out_of_step_with_the_code_is_refused(tmp_path):
+    regions = [r for r in labs.find_regions(REPO) if r.lab == "scheduler"]
+    hints = tmp_path / "lessons" / "labs" / "hints"
+    hints.mkdir(parents=True)
+    good = labs.hint_file("scheduler", REPO).read_text(encoding="utf-8")
+    (hints / labs.hint_file("scheduler", REPO).name).write_text(good.split("\n## ")[0] + "\n## " + good.split("\n## ")[1])
+    with pytest.raises(labs.LabError, match="one non-empty section per solution region"):
+        labs.hints_by_region(regions, "scheduler", tmp_path)
 
 
 # ---- markers and stubs ----------------------------------------------------------------------------
@@ -74,8 +96,7 @@ def test_no_marker_sits_outside_a_registered_lab_and_every_region_has_a_hint():
 SOURCE = "\n".join([
     "def f(x):",
     '    """Add one."""',
-    f"    {BEGIN} demo: think about it",
-    "    # HINT: really",
+    f"    {BEGIN} demo",
     "    y = x + 1",
     "    return y",
     f"    {END}",
@@ -94,9 +115,8 @@ SOURCE = "\n".join([
 
 def test_strip_solutions_stubs_one_lab_and_unwraps_the_others():
     regions = labs.parse_regions(SOURCE, "m.py")
-    assert [(r.lab, r.function, r.hint) for r in regions] == [("demo", "f", "think about it\nreally"),
-                                                             ("other", "C.g", "")]
-    student, stubbed = labs.strip_solutions(SOURCE, "m.py", "demo")
+    assert [(r.lab, r.function) for r in regions] == [("demo", "f"), ("other", "C.g")]
+    student, stubbed = labs.strip_solutions(SOURCE, "m.py", "demo", {regions[0]: "think about it\nreally"})
     assert stubbed == regions[:1]
     ns = {}
     exec(student, ns)
@@ -119,7 +139,9 @@ def test_strip_solutions_stubs_one_lab_and_unwraps_the_others():
     ([f"{BEGIN} a\nx = 1\n{END}\n"], "inside a function"),
     ([f"def f():\n    {BEGIN} a\n    {BEGIN} b\n    return 1\n    {END}\n    {END}\n"], "inside the region"),
     ([f"def f():\n    {BEGIN} a\n    return 1\n  {END}\n"], "not indented like"),
-    ([f"def f():\n    {BEGIN} a\n    # HINT: nothing\n    {END}\n    return 1\n"], "holds no code"),
+    ([f"def f():\n    {BEGIN} a\n    # why\n    {END}\n    return 1\n"], "holds no code"),
+    ([f"def f():\n    {BEGIN} a: think\n    return 1\n    {END}\n"], "text after the lab's name"),
+    ([f"def f():\n    {BEGIN} a\n    # HINT: think\n    return 1\n    {END}\n"], "a HINT line in the code"),
 ])
 def test_bad_markers_are_clear_errors(bad, message):
     with pytest.raises(labs.LabError, match=message):
@@ -235,9 +257,13 @@ def test_a_fresh_copy_scores_0(lab, student_copies, fresh_copy_results):
     assert copy["stubbed"] and all(r.lab == lab for r in copy["stubbed"])
     assert labs.leftover_markers(out) == []
     assert not (out / ".venv").exists() and not list((out / "results").glob("*.png"))
+    first = labs.read_hints(lab)[0]                              # the stub carries its hint from the hint file
+    stubbed = (out / first[0]).read_text(encoding="utf-8")
+    assert "# HINT: " + first[2].splitlines()[0].split()[0] in stubbed
     result = fresh_copy_results[lab]
     assert result.n_tasks == len(labs.get_lab(lab).tasks)
     assert result.n_passed == 0 and not result.error, labs.format_result(result)
+    assert f"hints: lessons/labs/hints/{labs.get_lab(lab).number:02d}-{lab}.md" in labs.format_result(result)
     if not (lab == "flash_triton" and torch.cuda.is_available()):    # compiled, a raise is a compile error
         assert all("NotImplementedError" in t.message for t in result.tasks), labs.format_result(result)
 

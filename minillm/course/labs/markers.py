@@ -1,11 +1,11 @@
 """Solution markers: find the regions a student writes in a Python source and replace them by stubs.
 
 The reference implementation marks what a student writes with comment lines, indented like the
-code they wrap and always inside a function body: a line `# BEGIN SOLUTION <lab>` (any text after
-the lab name is a hint), optional `# HINT: ...` lines right after it, the reference code, and a
-line `# END SOLUTION`. In a student copy a lab's regions become a stub that raises
-NotImplementedError (the hint stays, as comments), so the signature and docstring survive and
-everything else still imports and runs; the markers of the other labs are removed and their code kept.
+code they wrap and always inside a function body: a line `# BEGIN SOLUTION <lab>`, the reference
+code, and a line `# END SOLUTION`. In a student copy a lab's regions become a stub that raises
+NotImplementedError, headed by the region's hint from the lab's hint file (hints.py), so the
+signature and docstring survive and everything else still imports and runs; the markers of the
+other labs are removed and their code kept. Hints never sit in the library's code.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from .registry import LABS, LabError
 
 BEGIN_RE = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION[ \t]+(?P<lab>\w+)(?P<rest>.*)$")
 END_RE = re.compile(r"^(?P<indent>[ \t]*)# END SOLUTION\b")
-HINT_RE = re.compile(r"^[ \t]*# HINT:[ \t]?(?P<hint>.*)$")
+HINT_RE = re.compile(r"^[ \t]*#[ \t]*HINT\b")                  # hints live in lessons/labs/hints/, not here
 MARKER_RE = re.compile(r"^[ \t]*#[ \t]*(BEGIN|END) SOLUTION\b")     # what must not survive in a copy
 
 
@@ -29,9 +29,7 @@ class Region:
     lab: str
     begin: int                      # 1-based line of "# BEGIN SOLUTION"
     end: int                        # 1-based line of "# END SOLUTION"
-    hint_end: int                   # last line of the BEGIN + HINT header
     indent: str
-    hint: str                       # its lines as written (joined by newlines)
     function: str                   # qualified name of the enclosing function
 
     def __str__(self) -> str:
@@ -70,20 +68,19 @@ def parse_regions(text: str, path: str = "<text>") -> list[Region]:
         if begin:
             if open_:
                 raise LabError(f"{path}:{no}: BEGIN SOLUTION inside the region opened at line {open_['begin']}")
-            rest = begin["rest"].strip().lstrip(":-").strip()
-            rest = rest[len("HINT:"):].strip() if rest.startswith("HINT:") else rest
-            open_ = dict(begin=no, lab=begin["lab"], indent=begin["indent"], hints=[rest] if rest else [], hint_end=no)
+            if begin["rest"].strip():
+                raise LabError(f"{path}:{no}: text after the lab's name; a region's hint goes in its lab's hint "
+                               f"file (lessons/labs/hints/)")
+            open_ = dict(begin=no, lab=begin["lab"], indent=begin["indent"])
             continue
-        if open_ and open_["hint_end"] == no - 1 and HINT_RE.match(line):
-            open_["hints"].append(HINT_RE.match(line)["hint"].strip())
-            open_["hint_end"] = no
-            continue
+        if HINT_RE.match(line):
+            raise LabError(f"{path}:{no}: a HINT line in the code; hints go in the lab's hint file (lessons/labs/hints/)")
         if end:
             if not open_:
                 raise LabError(f"{path}:{no}: END SOLUTION without a BEGIN")
             if end["indent"] != open_["indent"]:
                 raise LabError(f"{path}:{no}: END SOLUTION is not indented like its BEGIN (line {open_['begin']})")
-            body = [(i, lines[i - 1]) for i in range(open_["hint_end"] + 1, no)
+            body = [(i, lines[i - 1]) for i in range(open_["begin"] + 1, no)
                     if lines[i - 1].strip() and not lines[i - 1].strip().startswith("#")]
             if not body:
                 raise LabError(f"{path}:{open_['begin']}: the region holds no code")
@@ -95,8 +92,7 @@ def parse_regions(text: str, path: str = "<text>") -> list[Region]:
             if not inside:
                 raise LabError(f"{path}:{open_['begin']}: a solution region must sit inside a function body")
             function = max(inside, key=lambda s: s[0])[2]
-            regions.append(Region(path, open_["lab"], open_["begin"], no, open_["hint_end"], open_["indent"],
-                                  "\n".join(open_["hints"]), function))
+            regions.append(Region(path, open_["lab"], open_["begin"], no, open_["indent"], function))
             open_ = None
             continue
         if MARKER_RE.match(line):
@@ -106,24 +102,24 @@ def parse_regions(text: str, path: str = "<text>") -> list[Region]:
     return regions
 
 
-def stub_lines(region: Region) -> list[str]:
+def stub_lines(region: Region, hint: str = "") -> list[str]:
     """What replaces a region in the student copy: the hint as comments, then a raise."""
     lab = LABS.get(region.lab)
     where = lab.handout if lab else "the handout"
     ind = region.indent
     out = [f"{ind}# TODO(lab {region.lab}): write this part of {region.function} ({where})."]
     width = max(60, 120 - len(ind))                # hint lines keep the author's breaks unless very long
-    for i, hint in enumerate(region.hint.splitlines()):
-        for j, line in enumerate(textwrap.wrap(hint, width=width) or [""]):
+    for i, said in enumerate(hint.splitlines()):
+        for j, line in enumerate(textwrap.wrap(said, width=width) or [""]):
             out.append(f"{ind}# {'HINT: ' if i == j == 0 else '      '}{line}".rstrip())
     msg = f"lab {region.lab}: {region.function} in {region.path} is yours to write (see {where})"
     out.append(f"{ind}raise NotImplementedError({msg!r})")
     return out
 
 
-def strip_solutions(text: str, path: str, lab: str) -> tuple[str, list[Region]]:
-    """A source with `lab`'s regions replaced by stubs and every other lab's markers removed.
-    Returns the new text and the regions that were stubbed."""
+def strip_solutions(text: str, path: str, lab: str, hints: dict | None = None) -> tuple[str, list[Region]]:
+    """A source with `lab`'s regions replaced by stubs (each headed by its hint in `hints`, Region -> text)
+    and every other lab's markers removed. Returns the new text and the regions that were stubbed."""
     regions = parse_regions(text, path)
     if not regions:
         return text, []
@@ -138,10 +134,10 @@ def strip_solutions(text: str, path: str, lab: str) -> tuple[str, list[Region]]:
             i += 1
             continue
         if region.lab == lab:
-            out += [line + newline for line in stub_lines(region)]
+            out += [line + newline for line in stub_lines(region, (hints or {}).get(region, ""))]
             stubbed.append(region)
         else:
-            out += lines[region.hint_end:region.end - 1]        # the code, without BEGIN, HINT and END
+            out += lines[region.begin:region.end - 1]           # the code, without BEGIN and END
         i = region.end
     new = "".join(out)
     if stubbed:

@@ -7,6 +7,7 @@ import csv
 from pathlib import Path
 
 from .grader import LabResult
+from .hints import hint_file
 from .registry import LABS
 
 
@@ -23,6 +24,8 @@ def format_result(result: LabResult, tests: bool = False) -> str:
             lines += [f"        {s}" for s in t.task.tests]
     if result.error:
         lines.append(f"  note: {result.error}")
+    if any(not t.passed for t in result.tasks):
+        lines.append(f"  hints: {hint_file(lab.name, '.')}")
     lines.append(result.summary_line())
     return "\n".join(lines)
 

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from .hints import hints_by_region
 from .markers import Region, leftover_markers, parse_regions, strip_solutions
 from .registry import LABS, REPO, LabError, get_lab
 
@@ -64,13 +65,14 @@ def make_student_copy(lab: str, out, repo: Path = REPO, force: bool = False, git
     missing = [f for f in lab_obj.files if f not in files]
     if missing:
         raise LabError(f"lab {lab}: {', '.join(missing)} not found in {repo}")
+    hints = hints_by_region(find_regions(repo, lab), lab, repo)
     out.mkdir(parents=True, exist_ok=True)
     stubbed = []
     for name in files:
         src, dst = repo / name, out / name
         dst.parent.mkdir(parents=True, exist_ok=True)
         if name.endswith(".py"):
-            text, regions = strip_solutions(src.read_text(encoding="utf-8"), name, lab)
+            text, regions = strip_solutions(src.read_text(encoding="utf-8"), name, lab, hints)
             dst.write_text(text, encoding="utf-8")
             shutil.copymode(src, dst)
             stubbed += regions
