@@ -137,7 +137,7 @@ def test_every_path_in_the_readme_map_exists(readme):
     assert not missing, missing
 
 
-PROSE = ["README.md", "README.zh.md", "lessons/**/*.md", "tools/notebooks/*.py", "tools/*.py", "minillm/**/*.py",
+PROSE = ["README.md", "README.zh.md", "lessons/**/*.md", "notebooks/*.py", "tools/*.py", "minillm/**/*.py",
          "kernels/*.py"]
 NAMED_PATH = r"(?<![\w/.-])((?:minillm|kernels|tests|tools|lessons|notebooks)/[\w/.*-]*[\w*/])"
 NOT_OURS = {"tests/test_functional.py",                  # bitsandbytes' tests, cited by lesson 04 and lab 03

@@ -1,35 +1,33 @@
-"""Build a notebook from a list of ("md" | "code", source) cells and execute it in place.
+"""Build a notebook from its percent-format script (jupytext) and execute it, so that it carries a real run's outputs.
 
-Used to (re)generate the committed notebooks with the outputs of a real run:
-    python tools/nb.py tools/notebooks/01_where_time_goes.py   # defines CELLS; writes notebooks/01_where_time_goes.ipynb
+    python tools/nb.py notebooks/03_gqa.py              # writes notebooks/03_gqa.ipynb, executed
+    python tools/nb.py notebooks/03_gqa.py --no-exec    # the cells only
+
+The script is the source: `# %%` starts a code cell, `# %% [markdown]` a markdown one, and `python
+notebooks/03_gqa.py` runs the same code without Jupyter. The kernel starts in notebooks/, as a reader's does.
 """
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
+import jupytext
 import nbformat
 from nbclient import NotebookClient
 
+KERNEL = {"name": "python3", "display_name": "Python 3", "language": "python"}
 
-def build(cells, path: Path, execute: bool = True, timeout: int = 1800) -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    for kind, src in cells:
-        src = src.strip("\n")
-        nb.cells.append(nbformat.v4.new_markdown_cell(src) if kind == "md" else nbformat.v4.new_code_cell(src))
+
+def build(script: Path, execute: bool = True, timeout: int = 1800) -> Path:
+    nb = jupytext.read(script, fmt="py:percent")
+    nb.metadata = {"kernelspec": KERNEL}
     if execute:
         NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                       resources={"metadata": {"path": str(path.parent)}}).execute()
-    nbformat.write(nb, path)
+                       resources={"metadata": {"path": str(script.parent)}}).execute()
+    out = script.with_suffix(".ipynb")
+    nbformat.write(nb, out)
+    return out
 
 
 if __name__ == "__main__":
-    spec_path = Path(sys.argv[1])
-    spec = importlib.util.spec_from_file_location("nbspec", spec_path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    out = Path(__file__).parent.parent / "notebooks" / (spec_path.stem + ".ipynb")
-    build(mod.CELLS, out, execute="--no-exec" not in sys.argv)
-    print("wrote", out)
+    print("wrote", build(Path(sys.argv[1]), execute="--no-exec" not in sys.argv))

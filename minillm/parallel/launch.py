@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .workers import free_port
+from .workers import caller_script_hidden, free_port
 
 
 def _run(rank: int, size: int, init: str, threads: int, fn, args, results) -> None:
@@ -44,8 +44,9 @@ def launch(fn, size: int, *args, timeout: float = 300.0, threads: int | None = N
     init = f"tcp://127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=_run, args=(rank, size, init, threads, fn, args, results), daemon=True)
              for rank in range(size)]
-    for p in procs:
-        p.start()
+    with caller_script_hidden(hide=getattr(fn, "__module__", None) != "__main__"):
+        for p in procs:
+            p.start()
     got: dict[int, object] = {}
     deadline = time.monotonic() + timeout
     try:

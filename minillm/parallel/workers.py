@@ -257,8 +257,9 @@ def start(model: Llama, name: str | None, mode: str, size: int, dtype: str,
     processes = [ctx.Process(target=_worker_main, daemon=True, name=f"minillm-{mode}-rank{rank}",
                              args=(rank, size, store.port, mode, source, dtype, str(device.type), threads, os.getpid()))
                  for rank in range(1, size)]
-    for p in processes:
-        p.start()
+    with caller_script_hidden():
+        for p in processes:
+            p.start()
     workers = Workers(mode, size, processes, spawned=True, threads=torch.get_num_threads())
     try:
         _wait_until_joined(store, processes, mode)
@@ -271,6 +272,25 @@ def start(model: Llama, name: str | None, mode: str, size: int, dtype: str,
     return workers, part
 
 
+@contextlib.contextmanager
+def caller_script_hidden(hide: bool = True):
+    """While spawned processes start, hide the caller's main module (its file and module name) from
+    multiprocessing: a spawned child would otherwise run the caller's script again before its target, and a
+    script (a notebook's source among them) that builds a parallel LLM at the top would spawn without end.
+    Safe because every target here is a library function with picklable arguments; what the caller's script
+    itself defines cannot reach a worker (launch() keeps the script for a fn defined there: hide=False)."""
+    main = sys.modules["__main__"]
+    saved = {key: main.__dict__[key] for key in ("__file__", "__spec__") if key in main.__dict__}
+    if hide:
+        main.__dict__.pop("__file__", None)
+        main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__file__", None)
+        main.__dict__.update(saved)
+
+
 def _wait_until_joined(store: dist.TCPStore, processes: list, mode: str) -> None:
     """Until every spawned worker has reached the store. A worker that exits before that fails the
     start at once, where the rendezvous alone would wait TIMEOUT for it."""
@@ -280,8 +300,7 @@ def _wait_until_joined(store: dist.TCPStore, processes: list, mode: str) -> None
         if dead is not None:
             raise RuntimeError(
                 f"{mode}-parallel worker {dead.name} exited with code {dead.exitcode} before joining the group "
-                "(its error is printed above). The workers are spawned: each imports the main module again, so "
-                "a script must build a parallel LLM under `if __name__ == \"__main__\":`")
+                "(its error is printed above)")
         if time.monotonic() > deadline:
             raise TimeoutError(f"the {mode}-parallel workers did not join within {TIMEOUT}")
         time.sleep(0.05)

@@ -21,7 +21,7 @@ from minillm.__main__ import main
 
 REPO = Path(__file__).resolve().parents[2]
 BEGIN, END = "# BEGIN " + "SOLUTION", "# END " + "SOLUTION"      # never at the start of a line here
-NOTEBOOK_SPEC = REPO / "tools" / "notebooks" / "10_labs.py"
+NOTEBOOK_SPEC = REPO / "notebooks" / "10_labs.py"
 
 
 # ---- the registry -------------------------------------------------------------------------------

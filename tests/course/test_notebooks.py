@@ -1,14 +1,20 @@
-"""Every notebook runs top to bottom on CPU in quick mode (MINILLM_QUICK=1), and every equality
-it prints holds: tokens it says are identical are, values it computes two ways agree.
-The executed copy stays in memory; the committed notebooks are not rewritten."""
+"""Every notebook's source is a percent-format script (notebooks/NN_topic.py, `# %%` cells) that builds the
+committed notebook (tools/nb.py, jupytext) and runs top to bottom with plain `python` on CPU in quick mode
+(MINILLM_QUICK=1), and every equality it prints holds: tokens it says are identical are, values it computes
+two ways agree. The committed notebooks are not rewritten."""
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from minillm.course import notebook
 
-NOTEBOOKS = sorted((Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
+FOLDER = Path(__file__).parents[2] / "notebooks"
+NOTEBOOKS = sorted(FOLDER.glob("*.ipynb"))
+SCRIPTS = sorted(FOLDER.glob("[0-9][0-9]_*.py"))
 
 # Printed booleans "<label>: True" (or "<label>=True"): each label must appear, and be True every time.
 PRINTED_SAME = {
@@ -66,63 +72,62 @@ def check_printed_equalities(name: str, text: str) -> None:
 LONGEST_FIRST = ("02", "11", "07", "09", "08", "12", "10", "06", "01", "05", "03", "04")
 
 
-def execute(path):
-    """-> (the notebook executed in memory, or None, and the exception that stopped it, or None)."""
-    import nbclient
-    import nbformat
-
-    nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(path.parent)}})
-    try:
-        client.execute()
-    except Exception as e:                  # raised again in that notebook's own test
-        return None, e
-    return nb, None
+def run_script(path):
+    """-> (what `python notebooks/NN_topic.py` printed to stdout, its stderr, its exit code); in notebooks/,
+    as a notebook's kernel runs."""
+    done = subprocess.run([sys.executable, path.name], cwd=path.parent, capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(FOLDER.parent), *sys.path])})
+    return done.stdout, done.stderr, done.returncode
 
 
 @pytest.fixture(scope="module")
 def executed():
-    """Every notebook executed in quick mode, each in its own kernel, up to three kernels at a time (as many
-    as the available memory holds: kernels_that_fit) with ONE torch thread each (OMP_NUM_THREADS=1, which a kernel inherits): on two cores one kernel's imports,
-    compiles, single-threaded Python and waits on its subprocesses overlap the others'. Kernels with two
-    threads each oversubscribe the cores (the OpenMP threads wait on each other), which made running two
-    at a time slower, not faster.
-    Nothing here times anything that is checked: quick mode's printed timings are not asserted."""
-    pytest.importorskip("nbformat")
-    pytest.importorskip("nbclient")
+    """Every notebook's script run in quick mode, each in its own process, up to three at a time (as many as the
+    available memory holds: kernels_that_fit) with ONE torch thread each (OMP_NUM_THREADS=1): on two cores one
+    script's imports, compiles, single-threaded Python and waits on its subprocesses overlap the others'. Two
+    threads each oversubscribe the cores (the OpenMP threads wait on each other), which made running two at a
+    time slower, not faster. Nothing here times anything that is checked: quick mode's printed timings are not
+    asserted."""
     from concurrent.futures import ThreadPoolExecutor
 
-    order = sorted(NOTEBOOKS, key=lambda p: LONGEST_FIRST.index(p.name[:2]) if p.name[:2] in LONGEST_FIRST else -1)
+    order = sorted(SCRIPTS, key=lambda p: LONGEST_FIRST.index(p.name[:2]) if p.name[:2] in LONGEST_FIRST else -1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MINILLM_QUICK", "1")
         mp.setenv("MPLBACKEND", "Agg")
         mp.setenv("OMP_NUM_THREADS", "1")
         with ThreadPoolExecutor(max_workers=kernels_that_fit()) as pool:
-            return dict(zip([p.name for p in order], pool.map(execute, order)))
+            return dict(zip([p.name for p in order], pool.map(run_script, order)))
 
 
-KERNEL_BYTES = 4 << 30          # room for one notebook kernel: the real model, an engine, a peer model
+KERNEL_BYTES = 4 << 30          # room for one notebook's process: the real model, an engine, a peer model
 
 
 def kernels_that_fit(most: int = 3) -> int:
-    """How many notebook kernels run at once: up to `most`, as many as the memory available now holds
+    """How many notebook scripts run at once: up to `most`, as many as the memory available now holds
     (a full suite's process has grown by then; a fresh-clone run was killed for memory with three)."""
     meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo")) if Path("/proc/meminfo").exists() else {}
     available = int(meminfo.get("MemAvailable", f"{most * KERNEL_BYTES // 1024} kB").split()[0]) * 1024
     return max(1, min(most, available // KERNEL_BYTES))
 
 
+def test_every_notebook_is_built_from_its_percent_script():
+    """Same cells, same order, same sources: what `python tools/nb.py notebooks/NN_topic.py` builds."""
+    jupytext = pytest.importorskip("jupytext")
+    nbformat = pytest.importorskip("nbformat")
+    assert [p.stem for p in SCRIPTS] == [p.stem for p in NOTEBOOKS]
+    for script in SCRIPTS:
+        built = jupytext.read(script, fmt="py:percent")
+        committed = nbformat.read(script.with_suffix(".ipynb"), as_version=4)
+        assert [(c.cell_type, c.source) for c in built.cells] == [(c.cell_type, c.source) for c in committed.cells], \
+            f"{script.name} and {script.with_suffix('.ipynb').name} differ: rebuild with tools/nb.py"
+
+
 @pytest.mark.slow                                       # the notebooks load the real model
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs_in_quick_mode_and_its_equalities_hold(path, executed):
-    nb, error = executed[path.name]
-    if error is not None:
-        raise error
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-              if o.get("output_type") == "error"]
-    assert not errors
-    check_printed_equalities(path.name, printed(nb))
+@pytest.mark.parametrize("path", SCRIPTS, ids=[p.name for p in SCRIPTS])
+def test_notebook_script_runs_with_python_in_quick_mode_and_its_equalities_hold(path, executed):
+    stdout, stderr, code = executed[path.name]
+    assert code == 0, stderr[-3000:]
+    check_printed_equalities(path.with_suffix(".ipynb").name, stdout)
 
 
 def test_the_equality_checks_read_the_committed_outputs_and_can_fail():

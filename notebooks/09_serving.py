@@ -1,17 +1,16 @@
-CELLS = [
-("md", r"""
-# 09 · Serving: an OpenAI-compatible server on the engine
+# %% [markdown]
+# # 09 · Serving: an OpenAI-compatible server on the engine
+#
+# *Lesson: [lessons/09-serving.md](../lessons/09-serving.md).* The article's 实战 section deploys a model
+# with vLLM's OpenAI-compatible server and calls it with the OpenAI Python SDK (**零代码切换**). Here
+# minillm's own server (`minillm/serving/server.py`) plays vLLM's part: same endpoints, same client code.
+#
+# It runs in a background thread of this notebook; from a shell it is
+# `python -m minillm serve --model smollm2 --port 8000`.
+#
+# `MINILLM_QUICK=1` shrinks the load test (CI does); unset it for the full run.
 
-*Lesson: [lessons/09-serving.md](../lessons/09-serving.md).* The article's 实战 section deploys a model
-with vLLM's OpenAI-compatible server and calls it with the OpenAI Python SDK (**零代码切换**). Here
-minillm's own server (`minillm/serving/server.py`) plays vLLM's part: same endpoints, same client code.
-
-It runs in a background thread of this notebook; from a shell it is
-`python -m minillm serve --model smollm2 --port 8000`.
-
-`MINILLM_QUICK=1` shrinks the load test (CI does); unset it for the full run.
-"""),
-("code", r"""
+# %%
 import time
 from concurrent.futures import ThreadPoolExecutor
 import httpx
@@ -26,24 +25,24 @@ device, QUICK = start()                        # cuda when present; prints the m
 llm = LLM(model="smollm2", dtype="float32", device=device, max_num_seqs=32)
 server = ServerThread(build_app(llm, served_model_name="smollm2")).start()    # a free port on 127.0.0.1
 print("serving at", server.base_url)
-"""),
-("md", r"""
-## 1. The OpenAI client, unchanged
 
-The client only needs a base URL. `api_key` is required by the SDK but ignored by the server.
+# %% [markdown]
+# ## 1. The OpenAI client, unchanged
+#
+# The client only needs a base URL. `api_key` is required by the SDK but ignored by the server.
+#
+# Underneath, a request is a JSON body POSTed to `/v1/chat/completions`, and the answer is a JSON object
+# with `choices[0].message.content` and `usage`. Written by hand with plain HTTP first, then through the
+# SDK: at temperature 0 both must carry the same text.
 
-Underneath, a request is a JSON body POSTed to `/v1/chat/completions`, and the answer is a JSON object
-with `choices[0].message.content` and `usage`. Written by hand with plain HTTP first, then through the
-SDK: at temperature 0 both must carry the same text.
-"""),
-("code", r"""
+# %%
 body = {"model": "smollm2", "messages": [{"role": "user", "content": "Give me three tips for readable code."}],
         "max_tokens": 48, "temperature": 0}
 by_hand = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=120).json()
 print("response keys:", sorted(by_hand), "| object:", by_hand["object"])
 print("choice keys:", sorted(by_hand["choices"][0]), "| usage:", by_hand["usage"])
-"""),
-("code", r"""
+
+# %%
 client = openai.OpenAI(base_url=server.base_url, api_key="unused")
 print([m.id for m in client.models.list().data])
 reply = client.chat.completions.create(
@@ -52,15 +51,15 @@ reply = client.chat.completions.create(
 print(reply.choices[0].message.content)
 print(reply.usage)
 print("SDK vs hand-made request, same text:", reply.choices[0].message.content == by_hand["choices"][0]["message"]["content"])
-"""),
-("md", r"""
-## 2. Streaming: server-sent events, one chunk per token
 
-With `stream=True` the server answers with `text/event-stream`: a `data: {...}` line per new piece of
-text and `data: [DONE]` at the end. The first chunk's arrival is the time to first token (TTFT) a user
-feels; the gaps after it are the time per output token (TPOT).
-"""),
-("code", r"""
+# %% [markdown]
+# ## 2. Streaming: server-sent events, one chunk per token
+#
+# With `stream=True` the server answers with `text/event-stream`: a `data: {...}` line per new piece of
+# text and `data: [DONE]` at the end. The first chunk's arrival is the time to first token (TTFT) a user
+# feels; the gaps after it are the time per output token (TPOT).
+
+# %%
 start = time.perf_counter()
 arrivals = []
 for chunk in client.chat.completions.create(
@@ -71,13 +70,13 @@ for chunk in client.chat.completions.create(
         arrivals.append(time.perf_counter() - start)
         print(piece, end="", flush=True)
 print(f"\n\nTTFT {arrivals[0]*1e3:.0f} ms, mean gap after it {1e3*(arrivals[-1]-arrivals[0])/max(1, len(arrivals)-1):.0f} ms")
-"""),
-("md", r"""
-What travels on the wire (the same request through plain HTTP), parsed by hand: every non-empty line
-is `data: ` followed by one JSON chunk, until `data: [DONE]`. Joined, the chunks' texts must be the text
-of the same request sent without `stream`.
-"""),
-("code", r"""
+
+# %% [markdown]
+# What travels on the wire (the same request through plain HTTP), parsed by hand: every non-empty line
+# is `data: ` followed by one JSON chunk, until `data: [DONE]`. Joined, the chunks' texts must be the text
+# of the same request sent without `stream`.
+
+# %%
 import json
 body = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "stream": True}
 pieces = []
@@ -90,21 +89,22 @@ with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response
 whole = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, timeout=120).json()
 print("joined chunks:", repr("".join(pieces)), "| one response vs joined chunks, same text:",
       "".join(pieces) == whole["choices"][0]["text"])
-"""),
-("md", r"""
-## 3. minillm or vLLM: only the base URL changes
 
-vLLM's server speaks the same protocol. Start it with
 
-```bash
-vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --port 8000 \
-    --max-num-seqs 64 --max-num-batched-tokens 2048 --gpu-memory-utilization 0.9 --enable-prefix-caching
-```
+# %% [markdown]
+# ## 3. minillm or vLLM: only the base URL changes
+#
+# vLLM's server speaks the same protocol. Start it with
+#
+# ```bash
+# vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --port 8000 \
+#     --max-num-seqs 64 --max-num-batched-tokens 2048 --gpu-memory-utilization 0.9 --enable-prefix-caching
+# ```
+#
+# and the function below talks to it by passing `"http://localhost:8000/v1"` and that model name. Nothing
+# else in the client changes. (There is no vLLM server here, so only minillm's is called.)
 
-and the function below talks to it by passing `"http://localhost:8000/v1"` and that model name. Nothing
-else in the client changes. (There is no vLLM server here, so only minillm's is called.)
-"""),
-("code", r"""
+# %%
 def ask(base_url, model, question, max_tokens=32):
     client = openai.OpenAI(base_url=base_url, api_key="unused")
     reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
@@ -113,15 +113,15 @@ def ask(base_url, model, question, max_tokens=32):
 
 print(ask(server.base_url, "smollm2", "What is a KV cache?"))
 # print(ask("http://localhost:8000/v1", "HuggingFaceTB/SmolLM2-135M-Instruct", "What is a KV cache?"))   # vLLM
-"""),
-("md", r"""
-## 4. Many clients, one engine
 
-Every HTTP request becomes a `Request` handed to the one thread that owns the engine; the scheduler
-admits it at the next step. Eight clients at once therefore share batches, exactly like offline
-`llm.generate` with eight prompts. `/debug/engine` shows the KV pool from the engine thread's side.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 4. Many clients, one engine
+#
+# Every HTTP request becomes a `Request` handed to the one thread that owns the engine; the scheduler
+# admits it at the next step. Eight clients at once therefore share batches, exactly like offline
+# `llm.generate` with eight prompts. `/debug/engine` shows the KV pool from the engine thread's side.
+
+# %%
 first_step = len(llm.engine.step_log)
 questions = [f"Name {n} animals." for n in range(2, 10)]
 with ThreadPoolExecutor(len(questions)) as pool:
@@ -129,14 +129,14 @@ with ThreadPoolExecutor(len(questions)) as pool:
 steps = llm.engine.step_log[first_step:]
 print("requests per engine step:", [s["num_seqs"] for s in steps])
 print(httpx.get(f"{server.url}/debug/engine").json())
-"""),
-("md", r"""
-## 5. A client that hangs up frees its KV blocks
 
-When a streaming client disconnects, the handler's stream is cancelled and it sends an abort to the
-engine thread, which drops the request from the batch and returns its blocks to the pool.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 5. A client that hangs up frees its KV blocks
+#
+# When a streaming client disconnects, the handler's stream is cancelled and it sends an abort to the
+# engine thread, which drops the request from the batch and returns its blocks to the pool.
+
+# %%
 body = {"model": "smollm2", "prompt": "Tell me a long story.", "max_tokens": 500, "temperature": 0,
         "ignore_eos": True, "stream": True}
 with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
@@ -147,16 +147,16 @@ while stats["num_requests"]:                      # the abort reaches the engine
     time.sleep(0.05)
     stats = httpx.get(f"{server.url}/debug/engine").json()
 print(stats)
-"""),
-("md", r"""
-## 6. Load test: what the request rate does to throughput and latency
 
-Poisson arrivals at several rates, streamed chat requests of a fixed length (`ignore_eos`), TTFT and TPOT
-measured by the client (`minillm/course/benchmarks/serve.py`; the full run is
-`python -m minillm bench serve --json results/serve.json`). More load means bigger batches and more
-tokens/s, until the engine saturates: then requests queue and TTFT climbs.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 6. Load test: what the request rate does to throughput and latency
+#
+# Poisson arrivals at several rates, streamed chat requests of a fixed length (`ignore_eos`), TTFT and TPOT
+# measured by the client (`minillm/course/benchmarks/serve.py`; the full run is
+# `python -m minillm bench serve --json results/serve.json`). More load means bigger batches and more
+# tokens/s, until the engine saturates: then requests queue and TTFT climbs.
+
+# %%
 rates = [1.0, 4.0] if QUICK else [0.5, 1.0, 2.0, 4.0]
 num_requests, max_tokens = (4, 8) if QUICK else (16, 32)
 rows = [serve_bench.load_test(server.base_url, "smollm2", rate, num_requests, max_tokens) for rate in rates]
@@ -165,8 +165,6 @@ for r in rows:
           f"p99 {r['ttft_p99_s']:.2f} s   TPOT p50 {r['tpot_p50_ms']:.0f} ms  p99 {r['tpot_p99_ms']:.0f} ms")
 serve_bench.plot(rows)
 plt.show()
-"""),
-("code", r"""
+
+# %%
 server.stop()
-"""),
-]

@@ -1,13 +1,12 @@
-CELLS = [
-("md", r"""
-# 07 · Continuous batching, chunked prefill, preemption
+# %% [markdown]
+# # 07 · Continuous batching, chunked prefill, preemption
+#
+# *Lesson: [lessons/07-continuous-batching.md](../lessons/07-continuous-batching.md).* Interview question:
+# **continuous batching 和 static batching 区别？为什么前者吞吐高这么多？**
+#
+# Set `MINILLM_QUICK=1` for a fast CPU pass (CI does); unset it for the full run.
 
-*Lesson: [lessons/07-continuous-batching.md](../lessons/07-continuous-batching.md).* Interview question:
-**continuous batching 和 static batching 区别？为什么前者吞吐高这么多？**
-
-Set `MINILLM_QUICK=1` for a fast CPU pass (CI does); unset it for the full run.
-"""),
-("code", r"""
+# %%
 import time
 import numpy as np
 import torch
@@ -21,20 +20,21 @@ from minillm.engine.scheduler import Scheduler
 from minillm.course.notebook import start
 from minillm.course.benchmarks import batching as bb
 device, QUICK = start()                        # cuda when present; prints the machine
-"""),
-("md", r"""
-## 1. The scheduler alone (no model)
 
-Each step shares one token budget between decodes (1 token each) and prefill chunks. Watch request 1's prompt
-arrive in two chunks while request 0 already decodes.
 
-By hand first, the whole rule in a few lines of plain Python: running requests go first, oldest first, each taking the
-tokens it still lacks (its prompt, or one token once it decodes); then waiting requests join in arrival
-order while budget is left, a long prompt taking only what is left (a chunk). A request whose tokens
-are all computed samples one more; it leaves after its last one. Change the prompt lengths or the
-budget and re-run both cells.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 1. The scheduler alone (no model)
+#
+# Each step shares one token budget between decodes (1 token each) and prefill chunks. Watch request 1's prompt
+# arrive in two chunks while request 0 already decodes.
+#
+# By hand first, the whole rule in a few lines of plain Python: running requests go first, oldest first, each taking the
+# tokens it still lacks (its prompt, or one token once it decodes); then waiting requests join in arrival
+# order while budget is left, a long prompt taking only what is left (a chunk). A request whose tokens
+# are all computed samples one more; it leaves after its last one. Change the prompt lengths or the
+# budget and re-run both cells.
+
+# %%
 def trace_by_hand(prompt_lens, max_tokens, budget):
     reqs = [{"id": i, "tokens": n, "computed": 0, "out": 0} for i, n in enumerate(prompt_lens)]
     waiting, running, trace = list(reqs), [], []
@@ -60,11 +60,12 @@ prompt_lens, max_tokens, budget = [40, 100, 20], 3, 96
 by_hand = trace_by_hand(prompt_lens, max_tokens, budget)
 for i, step in enumerate(by_hand):
     print(f"step {i}: " + ", ".join(f"req {rid}: {n} tok (from {start})" for rid, n, start in step))
-"""),
-("md", r"""
-The same three requests through `minillm.engine.scheduler.Scheduler` and its block manager:
-"""),
-("code", r"""
+
+
+# %% [markdown]
+# The same three requests through `minillm.engine.scheduler.Scheduler` and its block manager:
+
+# %%
 def fake(rid, n, max_tokens=3):
     return Request(str(rid), None, list(range(100, 100 + n)), SamplingParams(temperature=0, max_tokens=max_tokens),
                    None, RequestMetrics(0.0))
@@ -82,16 +83,16 @@ while sched.has_unfinished():
         if len(r.output_token_ids) == r.params.max_tokens:
             r.finish_reason = "length"; sched.finish(r)
 print("hand trace vs Scheduler, same schedule:", library == by_hand)
-"""),
-("md", r"""
-![Static vs continuous batching of the same eight requests, one column per forward pass](../lessons/figures/batching_gantt.png)
 
-*Drawn from a real scheduler trace: static batching keeps computing rows of finished requests until the longest one ends, continuous batching lets new requests take their place at the next step.*
-"""),
-("md", r"""
-## 2. The engine on SmolLM2, and the same tokens as one at a time
-"""),
-("code", r"""
+# %% [markdown]
+# ![Static vs continuous batching of the same eight requests, one column per forward pass](../lessons/figures/batching_gantt.png)
+#
+# *Drawn from a real scheduler trace: static batching keeps computing rows of finished requests until the longest one ends, continuous batching lets new requests take their place at the next step.*
+
+# %% [markdown]
+# ## 2. The engine on SmolLM2, and the same tokens as one at a time
+
+# %%
 n, prange, orange = (6, (64, 160), (4, 16)) if QUICK else ((64 if device == "cuda" else 16), (64, 512), (16, 128))
 llm = LLM(model="smollm2", dtype="float32", device=device, max_num_batched_tokens=256)
 prompts, outputs = bb.make_workload(llm.get_tokenizer(), n, prange, orange)
@@ -111,31 +112,29 @@ ax[0].plot(t, [s["num_running"] for s in steps], label="running"); ax[0].plot(t,
 ax[1].plot(t, [s["num_decodes"] for s in steps], ".", label="decode tokens")
 ax[1].plot(t, [s["num_tokens"] - s["num_decodes"] for s in steps], ".", label="prefill tokens"); ax[1].set_yscale("symlog"); ax[1].legend()
 ax[1].set_xlabel("seconds"); plt.tight_layout(); plt.show()
-"""),
-("md", r"""
-## 3. Static vs continuous batching, side by side
 
-Static batching pads a batch and runs it until its longest request is done; continuous batching lets requests
-leave and join every step.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 3. Static vs continuous batching, side by side
+#
+# Static batching pads a batch and runs it until its longest request is done; continuous batching lets requests
+# leave and join every step.
+
+# %%
 static = bb.run_static(llm.model, prompts, outputs, batch_size=8)
 cont = bb.run_engine(llm, prompts, outputs)
 for name, res in (("static (batches of 8)", static), ("continuous", cont)):
     print(f"{name:22s} {sum(outputs)/res['wall']:7.1f} output tok/s   TTFT p50 {np.median(res['ttft']):6.2f} s")
 print(f"static batching computed {static['waste']:.0%} of its rows for requests that were already done")
 print("same tokens:", static["tokens"] == cont["tokens"])
-"""),
-("md", r"""
-## 4. Preemption: a KV pool too small for everyone
 
-With fewer blocks than the running requests need, the newest request gives its blocks back and recomputes later.
-The outputs do not change.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 4. Preemption: a KV pool too small for everyone
+#
+# With fewer blocks than the running requests need, the newest request gives its blocks back and recomputes later.
+# The outputs do not change.
+
+# %%
 max_len, blocks = (512, 32) if QUICK else (1024, 64)     # room for one longest request, not for all
 small = LLM(model=llm.model, tokenizer=llm.get_tokenizer(), device=device, max_model_len=max_len, num_kv_blocks=blocks)
 s = bb.run_engine(small, prompts, outputs)
 print(f"preemptions: {s['preempted']}, tokens identical: {s['tokens'] == cont['tokens']}")
-"""),
-]

@@ -1,25 +1,24 @@
-CELLS = [
-("md", r"""
-# 08 · Speculative decoding: guess cheaply, verify in one forward
+# %% [markdown]
+# # 08 · Speculative decoding — guess cheaply, verify in one forward
+#
+# *Speculative Decoding 是什么？小模型和大模型怎么配合？ · 为什么不会损失精度？*
+#
+# A draft proposes `k` tokens; the target scores all of them in **one** forward pass and keeps the
+# longest prefix its rejection rule accepts, plus one token of its own. Every target call therefore
+# yields between 1 and `k + 1` tokens, and the output is distributed **exactly** as plain sampling
+# from the target. This notebook builds the greedy rule by hand, shows the sampling rule on a 10-token
+# vocabulary, then runs the three drafts
+# of `minillm/speculative/core.py` on SmolLM2-135M and reads the full benchmark
+# (`results/speculative.json`).
+#
+# Set `MINILLM_QUICK=1` for a CI-sized run; on a GPU the same cells run on `cuda`.
 
-*Speculative Decoding 是什么？小模型和大模型怎么配合？ · 为什么不会损失精度？*
-
-A draft proposes `k` tokens; the target scores all of them in **one** forward pass and keeps the
-longest prefix its rejection rule accepts, plus one token of its own. Every target call therefore
-yields between 1 and `k + 1` tokens, and the output is distributed **exactly** as plain sampling
-from the target. This notebook builds the greedy rule by hand, shows the sampling rule on a 10-token
-vocabulary, then runs the three drafts
-of `minillm/speculative/core.py` on SmolLM2-135M and reads the full benchmark
-(`results/speculative.json`).
-
-Set `MINILLM_QUICK=1` for a CI-sized run; on a GPU the same cells run on `cuda`.
-"""),
-("code", r"""
+# %%
 import json, time
 from pathlib import Path
 import torch
 import matplotlib.pyplot as plt
-%matplotlib inline
+# %matplotlib inline
 
 from minillm.speculative.core import rejection_sample, acceptance_probability, SpecStats, make_draft
 from minillm.course.calculators import expected_speedup, expected_tokens_per_call
@@ -27,17 +26,17 @@ from minillm.stages.speculative_loop import speculative_stream    # lesson 08's 
 from minillm.course.notebook import start
 from minillm.stages.reference import stream_contiguous
 device, QUICK = start()                        # cuda when present; prints the machine
-"""),
-("md", r"""
-## 1. Greedy verification, by hand
 
-At temperature 0 the rule is plain: the target's argmax at each drafted position is what greedy decoding
-would emit there. Keep the leading drafted tokens that equal it; at the first mismatch emit the target's
-own token instead and drop the rest, even a later guess that happens to match. If all `k` match, the
-target's choice one past them comes free (the bonus token). Below, by hand on made-up logits, then
-against `minillm.speculative.core.greedy_verify`; edit `draft` and re-run.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 1. Greedy verification, by hand
+#
+# At temperature 0 the rule is plain: the target's argmax at each drafted position is what greedy decoding
+# would emit there. Keep the leading drafted tokens that equal it; at the first mismatch emit the target's
+# own token instead and drop the rest, even a later guess that happens to match. If all `k` match, the
+# target's choice one past them comes free (the bonus token). Below, by hand on made-up logits, then
+# against `minillm.speculative.core.greedy_verify`; edit `draft` and re-run.
+
+# %%
 from minillm.speculative.core import greedy_verify
 gen = torch.Generator().manual_seed(1)
 V, k = 10, 4
@@ -51,24 +50,24 @@ emitted = draft[:accepted] + [choice[accepted]]            # the target's token:
 print(f"draft {draft}   target argmax {choice}   accepted {accepted}, emitted {emitted}")
 tokens, num_accepted = greedy_verify(torch.tensor([draft]), target_logits[None])
 print("by hand vs greedy_verify, identical:", emitted == tokens[0, :num_accepted[0] + 1].tolist())
-"""),
-("md", r"""
-![One greedy speculative run: drafted, accepted, rejected and added tokens per verification step](../lessons/figures/speculative_timeline.png)
 
-*A real run of SmolLM2 with a prompt-lookup draft: every target forward keeps the accepted guesses and adds one token of its own.*
-"""),
-("md", r"""
-## 2. The rule, on a 10-token vocabulary
+# %% [markdown]
+# ![One greedy speculative run: drafted, accepted, rejected and added tokens per verification step](../lessons/figures/speculative_timeline.png)
+#
+# *A real run of SmolLM2 with a prompt-lookup draft: every target forward keeps the accepted guesses and adds one token of its own.*
 
-Draft token `d ~ q` is accepted with probability `min(1, p(d)/q(d))`; after a rejection the target
-samples from `norm(max(0, p - q))`. Summing both ways of emitting `x`:
+# %% [markdown]
+# ## 2. The rule, on a 10-token vocabulary
+#
+# Draft token `d ~ q` is accepted with probability `min(1, p(d)/q(d))`; after a rejection the target
+# samples from `norm(max(0, p - q))`. Summing both ways of emitting `x`:
+#
+# `P(x) = min(p(x), q(x)) + (1 - Σ min(p, q)) · max(0, p(x) - q(x)) / (1 - Σ min(p, q)) = p(x)`.
+#
+# Below: `100_000` rounds with `k = 3`, a random target `p` and a draft `q` that also puts mass on
+# tokens the target never emits. The histogram of the first emitted token sits on `p`, not on `q`.
 
-`P(x) = min(p(x), q(x)) + (1 - Σ min(p, q)) · max(0, p(x) - q(x)) / (1 - Σ min(p, q)) = p(x)`.
-
-Below: `100_000` rounds with `k = 3`, a random target `p` and a draft `q` that also puts mass on
-tokens the target never emits. The histogram of the first emitted token sits on `p`, not on `q`.
-"""),
-("code", r"""
+# %%
 gen = torch.Generator().manual_seed(0)
 V, k, n = 10, 3, 20_000 if QUICK else 100_000
 p = (1.5 * torch.randn(V, generator=gen)).softmax(-1)
@@ -89,17 +88,17 @@ print(f"max |output - p| = {float((hist - p).abs().max()):.4f}   alpha = sum min
 print(f"first draft accepted: {float((accepted >= 1).float().mean()):.3f}   "
       f"tokens per target call: {float((accepted + 1).float().mean()):.3f} "
       f"(theory {expected_tokens_per_call(alpha, k):.3f})")
-"""),
-("md", r"""
-## 3. How much can it give? `(1 - α^(k+1)) / (1 - α)` tokens per call
 
-With per-token acceptance probability `α` and `k` guesses a target call yields
-`1 + α + … + α^k` tokens. The speedup divides that by the cost of a round, `k·c + 1` target-step
-times, where `c` is the draft's step time relative to the target's (Leviathan et al.). The article's
-"speedup = accepted + 1" is the tokens per call, not the speedup. A draft that costs as much as the target
-(`c ≈ 1`) can never win, however good its guesses.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 3. How much can it give? `(1 - α^(k+1)) / (1 - α)` tokens per call
+#
+# With per-token acceptance probability `α` and `k` guesses a target call yields
+# `1 + α + … + α^k` tokens. The speedup divides that by the cost of a round, `k·c + 1` target-step
+# times, where `c` is the draft's step time relative to the target's (Leviathan et al.). The article's
+# "speedup = accepted + 1" is the tokens per call, not the speedup. A draft that costs as much as the target
+# (`c ≈ 1`) can never win, however good its guesses.
+
+# %%
 ks = range(1, 9)
 fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.2))
 for a in (0.5, 0.7, 0.8, 0.9, 0.97):
@@ -109,16 +108,16 @@ for c in (0.0, 0.05, 0.2, 0.5, 1.0):
 a1.set(xlabel="k", ylabel="tokens per target call"); a1.legend(fontsize=7)
 a2.axhline(1, color="k", lw=0.8); a2.set(xlabel="k", ylabel="speedup at alpha=0.8"); a2.legend(fontsize=7)
 plt.tight_layout(); plt.show()
-"""),
-("md", r"""
-## 4. The real model: three drafts, greedy output identical to plain decoding
 
-The prompt asks SmolLM2-135M-Instruct to fix the spelling of a paragraph: an *input-grounded*
-task, where most of the answer is copied from the prompt. `ngram` (prompt lookup) needs no model;
-`draft` is a bfloat16 copy of the target; `layerskip` is the target with four middle layers
-skipped. At temperature 0 every draft must reproduce plain greedy decoding token for token.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 4. The real model: three drafts, greedy output identical to plain decoding
+#
+# The prompt asks SmolLM2-135M-Instruct to fix the spelling of a paragraph: an *input-grounded*
+# task, where most of the answer is copied from the prompt. `ngram` (prompt lookup) needs no model;
+# `draft` is a bfloat16 copy of the target; `layerskip` is the target with four middle layers
+# skipped. At temperature 0 every draft must reproduce plain greedy decoding token for token.
+
+# %%
 from minillm import LLM, SamplingParams
 from minillm.course.benchmarks.speculative import PROMPTS
 llm = LLM(model="smollm2", dtype="float32", device=device)
@@ -146,32 +145,32 @@ for method in ("ngram", "draft", "layerskip"):
     print(f"{method:9s} k=4: identical={out.output_token_ids == base.output_token_ids}  "
           f"acceptance={st.acceptance_rate:.2f}  tokens/call={st.tokens_per_call:.2f}  "
           f"time={t:.2f} s  speedup={t_plain / t:.2f}x")
-"""),
-("md", r"""
-## 5. Sampling: the same request distribution, a lower acceptance rate
 
-At temperature > 0 the target's `p` and the draft's `q` are the *filtered* distributions
-(temperature, top-k, top-p): exactly what plain sampling would draw from. A seeded request
-reproduces. Hotter sampling spreads `p` and `q`, so `Σ min(p, q)` falls: fewer guesses survive.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 5. Sampling: the same request distribution, a lower acceptance rate
+#
+# At temperature > 0 the target's `p` and the draft's `q` are the *filtered* distributions
+# (temperature, top-k, top-p): exactly what plain sampling would draw from. A seeded request
+# reproduces. Hotter sampling spreads `p` and `q`, so `Σ min(p, q)` falls: fewer guesses survive.
+
+# %%
 for temperature in (0.7, 1.0):
     sampled = SamplingParams(temperature=temperature, max_tokens=12 if QUICK else 40, ignore_eos=True, seed=0)
     out, t, st = spec(prompt, sampled, "draft", 4)
     again, _, _ = spec(prompt, sampled, "draft", 4)
     print(f"T={temperature}: acceptance={st.acceptance_rate:.2f} tokens/call={st.tokens_per_call:.2f} "
           f"seeded rerun identical={out.output_token_ids == again.output_token_ids}")
-"""),
-("md", r"""
-## 6. The full benchmark
 
-`python -m minillm bench speculative --json results/speculative.json` measures every draft at
-k = 1..8, temperatures 0 / 0.7 / 1.0[^temps] and three prompt kinds. The cells below read its committed
-result (they do not rerun it).
+# %% [markdown]
+# ## 6. The full benchmark
+#
+# `python -m minillm bench speculative --json results/speculative.json` measures every draft at
+# k = 1..8, temperatures 0 / 0.7 / 1.0[^temps] and three prompt kinds. The cells below read its committed
+# result (they do not rerun it).
+#
+# [^temps]: measured in results/speculative.json: config.temperatures[1]; config.temperatures[2]
 
-[^temps]: measured in results/speculative.json: config.temperatures[1]; config.temperatures[2]
-"""),
-("code", r"""
+# %%
 from minillm.course.benchmarks.common import format_table
 path = Path("../results/speculative.json")
 doc = json.loads(path.read_text()) if path.exists() else None
@@ -185,24 +184,22 @@ if doc:
     print(format_table(rows, ["kind", "temperature", "method", "k", "acceptance_rate", "tokens_per_call", "speedup"]))
 else:
     print("results/speculative.json not found: run the benchmark first")
-"""),
-("code", r"""
+
+# %%
 from IPython.display import Image, display
 for name in ("speculative.png", "speculative-speedup.png"):
     if Path("../results", name).exists():
         display(Image(filename=str(Path("../results", name))))
-"""),
-("md", r"""
-**Reading it.** Prompt lookup is the only draft that pays on this CPU, and only where the
-answer copies the prompt. The bfloat16 copy guesses almost perfectly but costs as much per step
-as the target here (`c ≈ 1`), so every extra guess is pure cost. Skipping layers of a 135M model
-loses agreement fast. Hot sampling and creative prompts lower acceptance for every draft: the
-article's pitfall 4. This is about these drafts on this CPU, not about model drafts: on GPUs, drafts that cost a
-few per cent of a target step (EAGLE's one-layer head on the target's features, DeepSeek-V3's MTP module) reach
-2-3x[^learned]. Under load, each request's KV cache keeps the step memory-bound at contexts beyond a few hundred
-tokens, so speculation keeps paying at large batch there (lesson 08, section 4). See
-`lessons/08-speculative-decoding.md` for the numbers.
 
-[^learned]: published: EAGLE (Li et al., arXiv 2401.15077), abstract: 2.7x-3.5x latency speedup for LLaMA2-Chat 70B; DeepSeek-V3 technical report (arXiv 2412.19437), §5.4.3: MTP gives 1.8x TPS
-"""),
-]
+# %% [markdown]
+# **Reading it.** Prompt lookup is the only draft that pays on this CPU, and only where the
+# answer copies the prompt. The bfloat16 copy guesses almost perfectly but costs as much per step
+# as the target here (`c ≈ 1`), so every extra guess is pure cost. Skipping layers of a 135M model
+# loses agreement fast. Hot sampling and creative prompts lower acceptance for every draft: the
+# article's pitfall 4. This is about these drafts on this CPU, not about model drafts: on GPUs, drafts that cost a
+# few per cent of a target step (EAGLE's one-layer head on the target's features, DeepSeek-V3's MTP module) reach
+# 2-3x[^learned]. Under load, each request's KV cache keeps the step memory-bound at contexts beyond a few hundred
+# tokens, so speculation keeps paying at large batch there (lesson 08, section 4). See
+# `lessons/08-speculative-decoding.md` for the numbers.
+#
+# [^learned]: published: EAGLE (Li et al., arXiv 2401.15077), abstract: 2.7x-3.5x latency speedup for LLaMA2-Chat 70B; DeepSeek-V3 technical report (arXiv 2412.19437), §5.4.3: MTP gives 1.8x TPS

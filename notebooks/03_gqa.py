@@ -1,11 +1,10 @@
-CELLS = [
-("md", r"""
-# 03 · GQA and MQA: fewer K/V heads, smaller cache
+# %% [markdown]
+# # 03 · GQA and MQA: fewer K/V heads, smaller cache
+#
+# *Lesson: [lessons/03-gqa.md](../lessons/03-gqa.md).* Interview question: **KV Cache 显存怎么算？为什么长上下文会爆显存？**
+# and the article's MQA / GQA section.
 
-*Lesson: [lessons/03-gqa.md](../lessons/03-gqa.md).* Interview question: **KV Cache 显存怎么算？为什么长上下文会爆显存？**
-and the article's MQA / GQA section.
-"""),
-("code", r"""
+# %%
 import torch
 from minillm.attention.gqa import grouped_attention, convert_kv_heads
 from minillm.model.llama import naive_attention_fp32
@@ -14,18 +13,18 @@ from minillm import LLM
 from minillm.evaluate import perplexity
 from minillm.course.notebook import start
 device, QUICK = start()                        # cuda when present; prints the machine
-"""),
-("md", r"""
-## 1. Attention over shared K/V heads, without copying them
 
-The baseline repeats each K/V head for the query heads of its group. `grouped_attention` folds the group
-into the query axis instead: same numbers, each K/V head read once.
+# %% [markdown]
+# ## 1. Attention over shared K/V heads, without copying them
+#
+# The baseline repeats each K/V head for the query heads of its group. `grouped_attention` folds the group
+# into the query axis instead: same numbers, each K/V head read once.
+#
+# First by hand, with torch primitives: 9 query heads share 3 K/V heads, so query head `h` reads K/V
+# head `h // 3`. `repeat_interleave` makes those copies explicit; then it is ordinary attention, with the
+# 6 new queries sitting at the last 6 of 40 positions (causal). Change the head counts and re-run.
 
-First by hand, with torch primitives: 9 query heads share 3 K/V heads, so query head `h` reads K/V
-head `h // 3`. `repeat_interleave` makes those copies explicit; then it is ordinary attention, with the
-6 new queries sitting at the last 6 of 40 positions (causal). Change the head counts and re-run.
-"""),
-("code", r"""
+# %%
 torch.manual_seed(0)
 q, k, v = torch.randn(1, 9, 6, 64), torch.randn(1, 3, 40, 64), torch.randn(1, 3, 40, 64)
 group = q.shape[1] // k.shape[1]                              # query heads per K/V head
@@ -37,36 +36,36 @@ by_hand = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v_rep
 err = (by_hand - grouped_attention(q, k, v, mask[None, None])).abs().max().item()
 print(f"by hand vs minillm.attention.gqa.grouped_attention: max |difference| = {err:.1e}")
 print(f"K/V bytes read: {k_rep.nbytes + v_rep.nbytes} with copies, {k.nbytes + v.nbytes} without")
-"""),
-("md", r"""
-The same check over MHA, GQA and MQA head layouts, against the baseline's attention:
-"""),
-("code", r"""
+
+# %% [markdown]
+# The same check over MHA, GQA and MQA head layouts, against the baseline's attention:
+
+# %%
 for hq, hkv in [(9, 9), (9, 3), (9, 1)]:
     q, k, v = torch.randn(1, hq, 6, 64), torch.randn(1, hkv, 40, 64), torch.randn(1, hkv, 40, 64)
     mask = torch.ones(6, 40, dtype=torch.bool).tril(34)[None, None]
     err = (grouped_attention(q, k, v, mask) - naive_attention_fp32(q, k, v)).abs().max().item()
     print(f"{hq} query heads / {hkv} KV heads: max |difference| = {err:.1e}")
-"""),
-("md", r"""
-## 2. KV bytes per token (fp16) as MHA, as shipped, as MQA
 
-Llama-2-7B ships as MHA, so its first two columns agree: of the Llama 2 models only the 70B (and the unreleased 34B)
-use GQA (Llama 2 paper, arXiv 2307.09288, §2.2 and Table 1), whatever the source article says (lesson 03's card).
-"""),
-("code", r"""
+# %% [markdown]
+# ## 2. KV bytes per token (fp16) as MHA, as shipped, as MQA
+#
+# Llama-2-7B ships as MHA, so its first two columns agree: of the Llama 2 models only the 70B (and the unreleased 34B)
+# use GQA (Llama 2 paper, arXiv 2307.09288, §2.2 and Table 1), whatever the source article says (lesson 03's card).
+
+# %%
 for r in kv_table():
     print(f"{r['model']:13s} MHA {r['MHA_KiB']:6.0f} KiB   shipped ({r['shipped_kv_heads']:2d} KV heads) {r['shipped_KiB']:6.0f} KiB   "
           f"MQA {r['MQA_KiB']:5.0f} KiB   at 32K tokens: {r['shipped_GB_at_32k']:5.1f} GB")
-"""),
-("md", r"""
-## 3. SmolLM2 converted to MQA by mean-pooling its 3 K/V heads into 1
 
-The cache shrinks 3x[^mqa], but without uptraining the model has never seen the averaged heads.
+# %% [markdown]
+# ## 3. SmolLM2 converted to MQA by mean-pooling its 3 K/V heads into 1
+#
+# The cache shrinks 3x[^mqa], but without uptraining the model has never seen the averaged heads.
+#
+# [^mqa]: measured in results/gqa.json: results(part="smollm2", kv_heads=3).KiB_per_token_bf16 / results(part="smollm2", kv_heads=1).KiB_per_token_bf16
 
-[^mqa]: measured in results/gqa.json: results(part="smollm2", kv_heads=3).KiB_per_token_bf16 / results(part="smollm2", kv_heads=1).KiB_per_token_bf16
-"""),
-("code", r"""
+# %%
 llm = LLM(model="smollm2", device=device)
 base = llm.model
 windows = 2 if QUICK else 24
@@ -77,17 +76,17 @@ for kv in (3, 1):
     print(f"{kv} KV heads: perplexity {ppl[kv]:.2f}, max batch at 2048 tokens in 1 GiB (bf16): {max_batch(llm.model.cfg, 1 << 30, 2048)}")
 print(f"MQA without uptraining costs {ppl[1]/ppl[3]-1:+.0%} perplexity")
 llm.model = base
-"""),
-("md", r"""
-## 4. The families readers deploy: each a small switch in the same layer
 
-Llama, Mistral, Qwen2 and Qwen3 differ by a few config fields (lesson 03, "What changes between model families"):
-Qwen2 adds biases on q, k and v; Qwen3 normalises every head of q and k and sets head_dim apart from
-hidden / heads; Llama-3.1 rescales RoPE's low frequencies; Mistral-7B v0.1 attends within a sliding window (32
-tokens here, against prompts of 200). Below, a tiny random-weight model of each family is made
-with its own transformers config class, saved as an HF folder, loaded by minillm, and compared with transformers.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 4. The families readers deploy: each a small switch in the same layer
+#
+# Llama, Mistral, Qwen2 and Qwen3 differ by a few config fields (lesson 03, "What changes between model families"):
+# Qwen2 adds biases on q, k and v; Qwen3 normalises every head of q and k and sets head_dim apart from
+# hidden / heads; Llama-3.1 rescales RoPE's low frequencies; Mistral-7B v0.1 attends within a sliding window (32
+# tokens here, against prompts of 200). Below, a tiny random-weight model of each family is made
+# with its own transformers config class, saved as an HF folder, loaded by minillm, and compared with transformers.
+
+# %%
 import json, tempfile
 import transformers
 from minillm.loading.loader import load_model
@@ -121,12 +120,12 @@ for name, (config_class, model_class, extra) in families.items():
         diff = (ours(ids) - hf(ids).logits).abs().max().item()
     print(f"{name:11s} qkv_bias={c.qkv_bias!s:5s} qk_norm={c.qk_norm!s:5s} head_dim={c.head_dim} window={c.sliding_window} "
           f"rope_scaling={(c.rope_scaling or {}).get('rope_type')}: max |logit difference| vs transformers = {diff:.1e}")
-"""),
-("md", r"""
-A config asking for what the forward does not implement is refused by name, never ignored: Qwen2's windows on
-some layers only (full attention on the others), for one.
-"""),
-("code", r"""
+
+# %% [markdown]
+# A config asking for what the forward does not implement is refused by name, never ignored: Qwen2's windows on
+# some layers only (full attention on the others), for one.
+
+# %%
 hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**tiny, use_sliding_window=True, sliding_window=32,
                                                               max_window_layers=1)).eval()
 folder = tempfile.mkdtemp()
@@ -136,5 +135,3 @@ try:
     load_model(folder, dtype="float32", device="cpu")
 except ValueError as e:
     print("refused:", e)
-"""),
-]

@@ -1,31 +1,30 @@
-CELLS = [
-("md", r"""
-# 12 · SGLang's two ideas: a radix-tree prefix cache and structured outputs
+# %% [markdown]
+# # 12 · SGLang's two ideas: a radix-tree prefix cache and structured outputs
+#
+# *Lesson: [lessons/12-sglang-ideas.md](../lessons/12-sglang-ideas.md).* Interview question:
+# **那 SGLang、TGI 跟 vLLM 比怎么样？** SGLang's answer rests on two ideas, both built here from scratch:
+# RadixAttention (a radix tree over cached tokens) and a compressed state machine for structured output
+# (JSON, regex, tool calls) with jump-forward decoding.
+#
+# Set `MINILLM_QUICK=1` for a fast CPU pass (CI does); unset it for the full run.
 
-*Lesson: [lessons/12-sglang-ideas.md](../lessons/12-sglang-ideas.md).* Interview question:
-**那 SGLang、TGI 跟 vLLM 比怎么样？** SGLang's answer rests on two ideas, both built here from scratch:
-RadixAttention (a radix tree over cached tokens) and a compressed state machine for structured output
-(JSON, regex, tool calls) with jump-forward decoding.
-
-Set `MINILLM_QUICK=1` for a fast CPU pass (CI does); unset it for the full run.
-"""),
-("code", r"""
+# %%
 import time
 import torch
 from minillm import LLM, SamplingParams
 from minillm.course.notebook import start
 device, QUICK = start()                        # cuda when present; prints the machine
 llm = LLM(model="smollm2", dtype="float32", device=device, max_model_len=1024)
-"""),
-("md", r"""
-## 1. A radix tree over token ids, by hand
 
-A prefix cache answers one question at admission: which leading tokens of this prompt already have their K/V
-in the pool? A trie over token ids answers it by walking down from the root. A radix tree is a trie whose
-chains without branches are merged into one node. On paper first, with blocks of 4 tokens: each node keeps
-a run of whole blocks; a match walks one block at a time; a match that ends inside a node splits it.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 1. A radix tree over token ids, by hand
+#
+# A prefix cache answers one question at admission: which leading tokens of this prompt already have their K/V
+# in the pool? A trie over token ids answers it by walking down from the root. A radix tree is a trie whose
+# chains without branches are merged into one node. On paper first, with blocks of 4 tokens: each node keeps
+# a run of whole blocks; a match walks one block at a time; a match that ends inside a node splits it.
+
+# %%
 B = 4
 def walk(tree, ids):
     '''tree: {first block (tuple): [run of tokens, children]} -> cached tokens of ids, whole blocks only'''
@@ -71,8 +70,8 @@ for name, ids in (("turn 1", turn1), ("turn 2", turn2), ("other chat", other)):
     by_hand[name] = walk(tree, ids)
     insert(tree, ids)
 print("cached tokens by hand:", by_hand)
-"""),
-("code", r"""
+
+# %%
 from minillm.kvcache.block_manager import BlockManager
 from minillm.engine.request import Request
 library = {}
@@ -89,20 +88,20 @@ for kind in ("radix", "hash"):
 print("radix tree (library):", library["radix"])
 print("hash chain (library):", library["hash"])
 print("same hits as by hand:", library["radix"] == by_hand == library["hash"])
-"""),
-("md", r"""
-![The tree after four requests (block manager with prefix_cache="radix"); hash vs radix peak KV blocks, measured](../lessons/figures/radix_tree.png)
 
-Both indexes find the same hits in whole blocks: the 9th system-prompt token sits in a block that also holds
-the turn's first tokens, so every request computes it again. What differs is what each keeps when requests
-that share a prefix run *at the same time*.
+# %% [markdown]
+# ![The tree after four requests (block manager with prefix_cache="radix"); hash vs radix peak KV blocks, measured](../lessons/figures/radix_tree.png)
+#
+# Both indexes find the same hits in whole blocks: the 9th system-prompt token sits in a block that also holds
+# the turn's first tokens, so every request computes it again. What differs is what each keeps when requests
+# that share a prefix run *at the same time*.
+#
+# ## 2. Hash vs radix vs no cache through the engine
+#
+# `bench prefix` sends waves of concurrent requests through the engine (SmolLM2, greedy) with caching off, the
+# hash index and the tree, and counts the prefill tokens computed and the KV blocks held.
 
-## 2. Hash vs radix vs no cache through the engine
-
-`bench prefix` sends waves of concurrent requests through the engine (SmolLM2, greedy) with caching off, the
-hash index and the tree, and counts the prefill tokens computed and the KV blocks held.
-"""),
-("code", r"""
+# %%
 from minillm.course.benchmarks import prefix as bp
 from minillm.evaluate import evaluation_text
 tok, text = llm.get_tokenizer(), evaluation_text()
@@ -120,15 +119,15 @@ for workload in ("system_prompt",) if QUICK else ("system_prompt", "branches"):
 for r in rows:
     print(f'{r["workload"]:>14} {r["mode"]:>5}: prompt {r["prompt_tokens"]:5d}  prefill computed {r["prefill_tokens_computed"]:5d}'
           f'  hit rate {r["cached_tokens"] / r["prompt_tokens"]:5.1%}  peak blocks {r["peak_blocks_used"]:4d}  TTFT p50 {r["ttft_p50_s"]:.3f} s')
-"""),
-("md", r"""
-## 3. From a regex to a mask over the vocabulary, by hand
 
-The grammar is a DFA over UTF-8 bytes (`minillm/guided/regex.py`); the model emits tokens, each a byte string.
-In a state, a token is allowed iff walking its bytes never reaches the dead state. First by hand, one token at a
-time in plain Python, then the library's vectorised walk (`minillm/guided/token_automaton.py`).
-"""),
-("code", r"""
+# %% [markdown]
+# ## 3. From a regex to a mask over the vocabulary, by hand
+#
+# The grammar is a DFA over UTF-8 bytes (`minillm/guided/regex.py`); the model emits tokens, each a byte string.
+# In a state, a token is allowed iff walking its bytes never reaches the dead state. First by hand, one token at a
+# time in plain Python, then the library's vectorised walk (`minillm/guided/token_automaton.py`).
+
+# %%
 from minillm import GuidedDecodingParams
 from minillm.guided import compile_guide, compile_regex
 from minillm.guided.token_automaton import vocabulary_bytes
@@ -156,14 +155,14 @@ mask = guide.automaton.mask(guide.dfa.start)                  # bool (V,), EOS i
 library = [t for t in mask.nonzero().flatten().tolist() if t != tok.eos_token_id]
 print(f"allowed at the start: {len(by_hand)} tokens, e.g. {[tok.decode([t]) for t in by_hand[:8]]}")
 print("same allowed tokens as the library:", by_hand == library)
-"""),
-("md", r"""
-## 4. Guided generation with SmolLM2: a JSON schema, validated
 
-Every output must parse and validate against its schema. With `jump_forward=True` the fixed text the schema
-forces (keys, separators) is appended without a model step.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 4. Guided generation with SmolLM2: a JSON schema, validated
+#
+# Every output must parse and validate against its schema. With `jump_forward=True` the fixed text the schema
+# forces (keys, separators) is appended without a model step.
+
+# %%
 import json
 import jsonschema
 schema = {"type": "object", "properties": {
@@ -184,15 +183,13 @@ for jump in (False, True):
     results[jump] = (req.text, len(req.output_token_ids), req.guide.num_forced_tokens, seconds)
     print(f"jump_forward={jump!s:5}: {req.text}")
     print(f"   {len(req.output_token_ids)} tokens, {req.guide.num_forced_tokens} appended without sampling, {seconds:.2f} s; valid: True")
-"""),
-("md", r"""
-## What to take away
 
-- At the same block size a hash chain and a radix tree find the same prefix hits; this tree (like SGLang's) keeps
-  one copy of a prefix that concurrent requests computed side by side, which is memory (and so concurrency) under
-  load. That is how it is implemented, not a property of the index: a hash index could share duplicates too.
-- Structured output is a DFA over bytes lifted to tokens: on this CPU the per-step cost is a cached mask and
-  compiling a new schema is what costs (seconds). On a GPU a decode step takes milliseconds and a mask over a
-  128K vocabulary can take as long, which is why xgrammar overlaps the mask with the GPU's forward (lesson 12). Jump-forward turns the text a schema fixes into prefill-like chunks.
-"""),
-]
+# %% [markdown]
+# ## What to take away
+#
+# - At the same block size a hash chain and a radix tree find the same prefix hits; this tree (like SGLang's) keeps
+#   one copy of a prefix that concurrent requests computed side by side, which is memory (and so concurrency) under
+#   load. That is how it is implemented, not a property of the index: a hash index could share duplicates too.
+# - Structured output is a DFA over bytes lifted to tokens: on this CPU the per-step cost is a cached mask and
+#   compiling a new schema is what costs (seconds). On a GPU a decode step takes milliseconds and a mask over a
+#   128K vocabulary can take as long, which is why xgrammar overlaps the mask with the GPU's forward (lesson 12). Jump-forward turns the text a schema fixes into prefill-like chunks.

@@ -1,15 +1,14 @@
-CELLS = [
-("md", r"""
-# 04 · Quantisation: int8, int4, NF4, GPTQ, AWQ and an int8 KV cache
+# %% [markdown]
+# # 04 · Quantisation: int8, int4, NF4, GPTQ, AWQ and an int8 KV cache
+#
+# *Lesson: [lessons/04-quantization.md](../lessons/04-quantization.md).* The article asks
+# **4-bit 量化为什么效果几乎不掉？INT4 和 NF4 区别？** and warns **量化不是免费午餐**.
+# This notebook takes the formats apart on real SmolLM2-135M weights; the perplexity table at the end
+# is the benchmark `python -m minillm bench quant` (read from `results/quant.json`).
+#
+# `MINILLM_QUICK=1` shrinks the calibration data (CI does); unset it for the full run.
 
-*Lesson: [lessons/04-quantization.md](../lessons/04-quantization.md).* The article asks
-**4-bit 量化为什么效果几乎不掉？INT4 和 NF4 区别？** and warns **量化不是免费午餐**.
-This notebook takes the formats apart on real SmolLM2-135M weights; the perplexity table at the end
-is the benchmark `python -m minillm bench quant` (read from `results/quant.json`).
-
-`MINILLM_QUICK=1` shrinks the calibration data (CI does); unset it for the full run.
-"""),
-("code", r"""
+# %%
 import json, math, copy
 from pathlib import Path
 import torch
@@ -27,19 +26,19 @@ from minillm.course.notebook import start
 device, QUICK = start()                        # cuda when present; prints the machine
 torch.manual_seed(0)
 values = {}                                    # the figures lesson 04 quotes, saved by the last cell
-"""),
-("md", r"""
-## 1. INT4 vs NF4: where the 16 levels go
 
-Both formats keep one scale per block and 16 levels. int4 absmax spaces the levels evenly between
--max and +max; NF4 puts them at quantiles of a normal distribution, dense near 0 where most weights are.
+# %% [markdown]
+# ## 1. INT4 vs NF4: where the 16 levels go
+#
+# Both formats keep one scale per block and 16 levels. int4 absmax spaces the levels evenly between
+# -max and +max; NF4 puts them at quantiles of a normal distribution, dense near 0 where most weights are.
+#
+# By hand first, on one row of a real weight: cut it into blocks of 64, give each block the scale
+# max|w| / 7, round w / scale to an integer in -7..7 and store it as the unsigned code q + 8 in 4 bits, two
+# codes per byte. Dequantising is (code - 8) × scale. The scale is kept in fp16, so it is rounded before use.
+# The checks compare the codes, the packed bytes and the dequantised row with `minillm.quant.int4`.
 
-By hand first, on one row of a real weight: cut it into blocks of 64, give each block the scale
-max|w| / 7, round w / scale to an integer in -7..7 and store it as the unsigned code q + 8 in 4 bits, two
-codes per byte. Dequantising is (code - 8) × scale. The scale is kept in fp16, so it is rounded before use.
-The checks compare the codes, the packed bytes and the dequantised row with `minillm.quant.int4`.
-"""),
-("code", r"""
+# %%
 model, tok = load_model("smollm2", dtype="float32", device=device)
 row = model.layers[10].ffn.w_up.weight[0].detach().cpu()     # (576,): one output's weights
 blocks = row.reshape(-1, 64)                                 # (9, 64): one scale per block
@@ -53,11 +52,11 @@ print("their codes    :", codes.flatten()[:8].int().tolist(), "  block 0 scale:"
 print("same packed bytes:", torch.equal(packed, stored["packed"][0]),
       "| same dequantised row:", torch.equal(by_hand, int4.fake_quantize(row, 4, 64, symmetric=True)))
 print(f"{row.numel() * 4} bytes in fp32 -> {packed.numel()} bytes of codes + {scale.numel() * 2} bytes of fp16 scales")
-"""),
-("md", r"""
-The same quantiser on a whole matrix, next to NF4 (layer 10's `w_up`):
-"""),
-("code", r"""
+
+# %% [markdown]
+# The same quantiser on a whole matrix, next to NF4 (layer 10's `w_up`):
+
+# %%
 w = model.layers[10].ffn.w_up.weight.detach().cpu()          # (1536, 576), a real weight
 blocks = w.reshape(-1, 64)
 normalised = (blocks / blocks.abs().amax(1, keepdim=True)).reshape(-1)
@@ -73,14 +72,14 @@ for name, deq in [("int4 absmax, block 64", int4.fake_quantize(w, 4, 64, symmetr
                   ("NF4, block 64", nf4.dequantize(**nf4.quantize(w, 64), block=64))]:
     print(f"{name:28s} mean |error| = {(deq - w).abs().mean():.3e}   relative = {(deq - w).norm() / w.norm():.4f}")
     values[name] = {"mean_abs_error": (deq - w).abs().mean().item(), "relative_error": ((deq - w).norm() / w.norm()).item()}
-"""),
-("md", r"""
-## 2. What a "4-bit" weight really costs
 
-Codes are 4 bits, but every block also stores its scale (and zero point). Double quantisation
-shrinks NF4's fp32 absmax to 8 bits.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 2. What a "4-bit" weight really costs
+#
+# Codes are 4 bits, but every block also stores its scale (and zero point). Double quantisation
+# shrinks NF4's fp32 absmax to 8 bits.
+
+# %%
 lin = model.layers[10].ffn.w_down                                   # (576, 1536)
 rows = [("fp16", {}, None), ("int8", {}, "int8"), ("int4 g128 sym", {"symmetric": True}, "int4"),
         ("int4 g128 asym", {}, "int4"), ("int4 g32 asym", {"group_size": 32}, "int4"), ("int3 g128", {"bits": 3}, "int4"),
@@ -92,16 +91,16 @@ for name, kw, method in rows:
         q = quantize_linear(lin, method, **kw)
         bits = 8 * q.weight_bytes() / lin.weight.numel()
     print(f"{name:20s} {bits:6.3f} bits/param   {bits / 16:.3f} x fp16")
-"""),
-("md", r"""
-## 3. GPTQ vs round-to-nearest on the layer objective
 
-GPTQ minimises ||W X - Q X||² using the Hessian H = 2/n Σ x xᵀ of the layer's inputs. Below: every
-linear of one block, H from calibration windows, the error measured on a **held-out** window.
-Watch `w_down`: 1536 inputs and only 1536 calibration tokens (full run) give a poor estimate of H, and
-GPTQ over-fits it (ratio > 1); the test uses 4096 tokens, where GPTQ wins on every layer it checks.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 3. GPTQ vs round-to-nearest on the layer objective
+#
+# GPTQ minimises ||W X - Q X||² using the Hessian H = 2/n Σ x xᵀ of the layer's inputs. Below: every
+# linear of one block, H from calibration windows, the error measured on a **held-out** window.
+# Watch `w_down`: 1536 inputs and only 1536 calibration tokens (full run) give a poor estimate of H, and
+# GPTQ over-fits it (ratio > 1); the test uses 4096 tokens, where GPTQ wins on every layer it checks.
+
+# %%
 from minillm.evaluate import evaluation_text
 n_cal, win = (1, 256) if QUICK else (3, 512)
 calib = calibration_windows(tok, n_cal, win).to(device)
@@ -129,20 +128,20 @@ with torch.no_grad():
             e_g, e_r = ((W - Q) @ X.T).pow(2).sum().item(), ((W - R) @ X.T).pow(2).sum().item()
             print(f"  {bits}-bit {n:11s} RTN {e_r:10.4g}   GPTQ {e_g:10.4g}   GPTQ/RTN = {e_g / e_r:.3f}")
             values[f"gptq {bits}-bit {n}"] = {"rtn_error": e_r, "gptq_error": e_g, "gptq_over_rtn": e_g / e_r}
-"""),
-("md", r"""
-## 4. AWQ: the alpha search
 
-s = mean|x|^α per input channel; α = 0 is plain RTN. The loss is the attention block's output error
-with fake-quantised q, k, v. The chosen α can only be better than RTN on the calibration data.
+# %% [markdown]
+# ## 4. AWQ: the alpha search
+#
+# s = mean|x|^α per input channel; α = 0 is plain RTN. The loss is the attention block's output error
+# with fake-quantised q, k, v. The chosen α can only be better than RTN on the calibration data.
+#
+# AWQ does *not* keep the top 1% of weights in fp16 (the myth the article repeats): that is the paper's motivating
+# experiment (arXiv 2306.00978, section 2.1), rejected as hardware-unfriendly[^nb-awq-s21]. The method scales the salient input
+# channels, folds 1/s into the previous layer and stores every weight in int4, which is what this cell does.
+#
+# [^nb-awq-s21]: published: Lin et al., AWQ (arXiv 2306.00978), Section 2.1 "Improving LLM Quantization by Preserving 1% Salient Weights" (keeping 0.1%-1% of the channels in FP16; "such a mixed-precision data type will make the system implementation difficult") and Section 2.2 (per-channel scaling instead)
 
-AWQ does *not* keep the top 1% of weights in fp16 (the myth the article repeats): that is the paper's motivating
-experiment (arXiv 2306.00978, section 2.1), rejected as hardware-unfriendly[^nb-awq-s21]. The method scales the salient input
-channels, folds 1/s into the previous layer and stores every weight in int4, which is what this cell does.
-
-[^nb-awq-s21]: published: Lin et al., AWQ (arXiv 2306.00978), Section 2.1 "Improving LLM Quantization by Preserving 1% Salient Weights" (keeping 0.1%-1% of the channels in FP16; "such a mixed-precision data type will make the system implementation difficult") and Section 2.2 (per-channel scaling instead)
-"""),
-("code", r"""
+# %%
 with torch.no_grad():
     blk = copy.deepcopy(model.layers[target])
     x = block_inputs(blk, ["attn.wq", "ffn.w_gate"], h_cal, cos, sin)
@@ -158,15 +157,15 @@ with torch.no_grad():
     xm = x["attn.wq"].abs().reshape(-1, 576).mean(0).cpu()
     print("input channel mean |x|: max / median =", round((xm.max() / xm.median()).item(), 1), "(salient channels)")
     values["awq input channel max/median"] = (xm.max() / xm.median()).item()
-"""),
-("md", r"""
-## 5. int8 KV cache
 
-One scale per (token, head): 66 bytes instead of 128 per head and token (head_dim 64). The cell prints how far
-the attention output moves (its relative error); a key channel that is an outlier sets every token's scale and
-makes that error larger.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 5. int8 KV cache
+#
+# One scale per (token, head): 66 bytes instead of 128 per head and token (head_dim 64). The cell prints how far
+# the attention output moves (its relative error); a key channel that is an outlier sets every token's scale and
+# makes that error larger.
+
+# %%
 with torch.no_grad():
     q_, k_, v_ = block.attn.project_qkv(block.attn_norm(h_held), cos, sin)    # real q, k, v of one block
     for name, (k_in, v_in) in {"real K/V (block %d)" % target: (k_, v_)}.items():
@@ -180,15 +179,15 @@ with torch.no_grad():
     ch = k_.abs().mean((0, 1, 2)).cpu()
     print("K channel mean |k|: max / median =", round((ch.max() / ch.median()).item(), 1))
     values["k channel max/median"] = (ch.max() / ch.median()).item()
-"""),
-("md", r"""
-## 6. The measured table (`python -m minillm bench quant`)
 
-Perplexity on the evaluation text (never used for calibration), bits per parameter of the linear layers
-(scales included), decode tokens/s on this CPU. Baseline caveat: "fp32" is the Q4_1 GGUF dequantised, so every 4-bit row re-quantises weights that were already
-on a 4-bit grid: a second rounding, which makes int4 RTN's loss here far larger than a 7B model's (lesson 04).
-"""),
-("code", r"""
+# %% [markdown]
+# ## 6. The measured table (`python -m minillm bench quant`)
+#
+# Perplexity on the evaluation text (never used for calibration), bits per parameter of the linear layers
+# (scales included), decode tokens/s on this CPU. Baseline caveat: "fp32" is the Q4_1 GGUF dequantised, so every 4-bit row re-quantises weights that were already
+# on a 4-bit grid: a second rounding, which makes int4 RTN's loss here far larger than a 7B model's (lesson 04).
+
+# %%
 path = Path("../results/quant.json")
 if path.exists():
     doc = json.loads(path.read_text())
@@ -201,21 +200,21 @@ if path.exists():
     plot(doc); plt.show()
 else:
     print("results/quant.json not found: run  python -m minillm bench quant --json results/quant.json")
-"""),
-("md", r"""
-## 6b. Does the calibration generalise? (`python -m minillm bench calibration`)
 
-GPTQ and AWQ learn from calibration text; a sceptical reader scores them on text they never saw. The
-benchmark calibrates on Python's docs, on text sampled from the model itself, or on a mix, with 4, 8 or 32
-windows of 512 tokens, and scores every model on Python's docs and three texts never used for calibration
-(GPL v3; the Apache and MPL licences; Vim's licence). With 8 windows of Python's docs, GPTQ 4-bit scores
-22.85 on Apache + MPL, worse than plain RTN's 20.73; with 32 windows, 20.49[^nb-cal-ood]: too few tokens
-give a poor Hessian for `w_down`'s 1536 inputs (section 3), and GPTQ over-fits it. That is why
-`LLM(quantization="gptq")` calibrates on 32 windows. The table below reads every configuration run.
+# %% [markdown]
+# ## 6b. Does the calibration generalise? (`python -m minillm bench calibration`)
+#
+# GPTQ and AWQ learn from calibration text; a sceptical reader scores them on text they never saw. The
+# benchmark calibrates on Python's docs, on text sampled from the model itself, or on a mix, with 4, 8 or 32
+# windows of 512 tokens, and scores every model on Python's docs and three texts never used for calibration
+# (GPL v3; the Apache and MPL licences; Vim's licence). With 8 windows of Python's docs, GPTQ 4-bit scores
+# 22.85 on Apache + MPL, worse than plain RTN's 20.73; with 32 windows, 20.49[^nb-cal-ood]: too few tokens
+# give a poor Hessian for `w_down`'s 1536 inputs (section 3), and GPTQ over-fits it. That is why
+# `LLM(quantization="gptq")` calibrates on 32 windows. The table below reads every configuration run.
+#
+# [^nb-cal-ood]: measured in results/calibration.json: summary.ppl["gptq-4bit-python-docs-n8"]["apache-mpl"]; summary.ppl["rtn-4bit"]["apache-mpl"]; summary.ppl["gptq-4bit-python-docs-n32"]["apache-mpl"]
 
-[^nb-cal-ood]: measured in results/calibration.json: summary.ppl["gptq-4bit-python-docs-n8"]["apache-mpl"]; summary.ppl["rtn-4bit"]["apache-mpl"]; summary.ppl["gptq-4bit-python-docs-n32"]["apache-mpl"]
-"""),
-("code", r"""
+# %%
 path = Path("../results/calibration.json")
 if path.exists():
     cal = json.loads(path.read_text())["summary"]
@@ -228,17 +227,17 @@ if path.exists():
         print(f"{config:34s}" + "".join(f"{ppl[d]:13.2f}" for d in domains) + f"   {wins}")
 else:
     print("results/calibration.json not found: run  python -m minillm bench calibration")
-"""),
-("md", r"""
-## 7. The fused W4A16 kernel
 
-Dequantise inside the matmul tile loop so that only 4-bit codes cross the memory bus. On CPU the
-PyTorch twin (same tiling) shows the arithmetic; on a GPU the Triton kernels run (the split-K GEMV at
-batch 1, tensor cores at 16) and are timed with CUDA events after an L2 flush. Lesson 04 counts the GEMV's instruction budget on an H200: the
-compiled loop issues more instructions per weight than the SMs can issue while HBM streams the weights, so even a
-perfect run reaches only part of the bandwidth (`roofline.gemv_instruction_budget`).
-"""),
-("code", r"""
+# %% [markdown]
+# ## 7. The fused W4A16 kernel
+#
+# Dequantise inside the matmul tile loop so that only 4-bit codes cross the memory bus. On CPU the
+# PyTorch twin (same tiling) shows the arithmetic; on a GPU the Triton kernels run (the split-K GEMV at
+# batch 1, tensor cores at 16) and are timed with CUDA events after an L2 flush. Lesson 04 counts the GEMV's instruction budget on an H200: the
+# compiled loop issues more instructions per weight than the SMs can issue while HBM streams the weights, so even a
+# perfect run reaches only part of the bandwidth (`roofline.gemv_instruction_budget`).
+
+# %%
 from minillm.quant.w4a16 import w4a16_matmul_torch, operands
 q = quantize_linear(model.layers[target].ffn.w_down, "int4").to(device)
 x = torch.randn(4, q.in_features, device=device)
@@ -253,9 +252,7 @@ if torch.cuda.is_available():
                               "w4a16_fraction_of_copy_bandwidth", "first_run_kernel_us"]))
 else:
     print("no GPU here: the kernel benchmark (fp16 matmul vs W4A16 at batch 1..16) is not measured")
-"""),
-("code", r"""
+
+# %%
 from minillm.course.benchmarks.common import save_notebook_values
 print("saved", save_notebook_values("04", values, QUICK) or "nothing (quick mode)")
-"""),
-]
