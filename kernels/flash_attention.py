@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from minillm.kernel_support.args import (INTERPRETED, LOG2E, MAX_HEAD_DIM, check_attention_inputs, check_kernel_device,
-                                 override_tiles)
+                                         override_tiles)
 from minillm.kernel_support.tuning import choose_config, length_bucket
 
 
@@ -151,7 +151,7 @@ def triton_flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                    sm_scale: float | None = None, block_m: int | None = None,
                                    block_n: int | None = None):
     """Launch the kernel. q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D). Returns (o like q, lse (B, Hq, Tq) fp32).
-    block_m / block_n given: those tiles; else the configuration kernel_tuning chose for this shape."""
+    block_m / block_n given: those tiles; else the configuration kernel_support.tuning chose for this shape."""
     scale = check_attention_inputs(q, k, v, causal, sm_scale)
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]

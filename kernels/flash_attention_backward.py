@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from minillm.kernel_support.args import (INTERPRETED, LOG2E, MAX_HEAD_DIM, check_attention_inputs, check_kernel_device,
-                                 override_tiles)
+                                         override_tiles)
 from minillm.kernel_support.tuning import choose_config, length_bucket
 
 

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from minillm.kernel_support.args import (INTERPRETED, KERNEL_DTYPES, LOG2E, MAX_HEAD_DIM, check_kernel_device,
-                                 check_paged_attention_args)
+                                         check_paged_attention_args)
 
 
 @triton.jit

@@ -5,19 +5,19 @@
 
 forward stores the rows' k and v in the paged cache (minillm/model/runner.py's PagedKVCache) at
 batch.slot_mapping, then gives every row attention over its own request's keys only. What a
-backend reads from the step's metadata (model_runner.PagedBatch, built once per step and shared by
+backend reads from the step's metadata (runner.PagedBatch, built once per step and shared by
 every layer): the decode rows with their block tables and lengths, the CPU decode groups, and the
 runs of more tokens (a prefill chunk) as Run records.
 
-    "torch"      the reference: each group's or run's blocks gathered (paged_attention.gather_kv),
+    "torch"      the reference: each group's or run's blocks gathered (attention.paged.gather_kv),
                  then torch's SDPA with a padding mask; also the path of an int8/fp8 cache (its
                  gather dequantises)
     "cpu-fused"  decode rows read their blocks in place by a compiled loop
-                 (paged_attention.decode_attention_fused): no gathered copy, no fp32 copy
+                 (attention.paged.decode_attention_fused): no gathered copy, no fp32 copy
     "triton"     what a GPU runs: the Triton store and paged decode kernel (kernels/paged_attention.py),
                  every decode row in one launch
 
-A prefill run attends by the function of the LLM's attention_backend option (model.attention_function:
+A prefill run attends by the function of the LLM's attention_backend option (model.llama.attention_function:
 "naive", "sdpa" or "flash", FlashAttention of lesson 05) in every backend.
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ def sdpa(q, keys, values, attn_mask=None, is_causal=False):
 
 
 def sdpa_prefill(q, keys, values, causal: bool = True, window: int | None = None):
-    """model.sdpa_attention (causal with an offset after cached keys) by way of `sdpa` above."""
+    """model.llama.sdpa_attention (causal with an offset after cached keys) by way of `sdpa` above."""
     if q.device.type != "cpu" or q.element_size() != 2:
         return sdpa_attention(q, keys, values, causal, window)
     return sdpa_attention(q.float(), keys.float(), values.float(), causal, window).to(q.dtype)
@@ -110,7 +110,7 @@ class TorchBackend:
         """kv: the PagedKVCache; prefill: the attention function of prefill runs (model.ATTENTION_BACKENDS);
         run_compiled(compiled, eager, *args): how a compiled kernel is called (the runner's, which
         falls back to eager where torch.compile cannot build); window: the model's sliding window
-        (each row sees its last `window` keys; the decode groups' masks carry it, model_runner.build_batch)."""
+        (each row sees its last `window` keys; the decode groups' masks carry it, runner.build_batch)."""
         self.kv, self.window = kv, window
         self.prefill_attention = sdpa_prefill if prefill == "sdpa" else attention_function(prefill)
         self.run_compiled = run_compiled or (lambda compiled, eager, *args: compiled(*args))

@@ -4,7 +4,7 @@ Three versions of the same function sit side by side:
 
     naive_attention_in_dtype  S = Q K^T, P = softmax(S), O = P V in q's own dtype (on fp32
                               inputs, the definition of right): it materialises two (Tq, Tk)
-                              matrices per head, O(N^2) memory. (model.naive_attention_fp32 is
+                              matrices per head, O(N^2) memory. (model.llama.naive_attention_fp32 is
                               the model's baseline, which computes in fp32 whatever q's dtype.)
     flash_attention_torch     NEW: the online-softmax algorithm in plain PyTorch, with explicit
                               (block_m x block_n) tiles, the same tiling as the Triton kernel in

@@ -1,6 +1,6 @@
 """Grouped-query attention without copying K/V heads.
 
-The baseline (model.naive_attention_fp32) repeats each KV head n_heads // n_kv_heads times
+The baseline (model.llama.naive_attention_fp32) repeats each KV head n_heads // n_kv_heads times
 before the matmul: that materialises Hq copies of K and V. Here the G = Hq / Hkv query heads that
 share a KV head are folded into the query-length axis instead, so each K/V head is read once:
 

@@ -75,11 +75,11 @@ class Engine:
         else:           # tensor/pipeline parallel: each rank builds its part of the cache (minillm/parallel); no graphs
             self.kv, self.runner = llm.parallel.start_engine(llm.model, llm.rope, num_kv_blocks, cache.block_size,
                                                              cache.kv_cache_dtype)
-        # model_runner.group_by_length, for CPU attention; the GPU kernel takes every row at once
+        # runner.group_by_length, for CPU attention; the GPU kernel takes every row at once
         self.decode_group_cost = None if self.runner.use_triton else GROUP_COST_BLOCKS
         self.requests: dict[str, Request] = {}
         self.step_log = StepLog(maxlen=STEP_LOG_LEN)
-        self.speculation = speculation          # a speculative_engine.EngineSpeculation, or None
+        self.speculation = speculation          # a speculative.engine.EngineSpeculation, or None
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -124,7 +124,7 @@ class Engine:
         return events
 
     def _prepare(self, plan) -> tuple:
-        """The step's flat batch (model_runner.build_batch); per request which logits rows it needs
+        """The step's flat batch (runner.build_batch); per request which logits rows it needs
         ("all": prompt logprobs or drafts to verify, "last": it samples, "none": a prefill chunk) and
         where they sit in the runner's output: spans[i] = (first row, end row)."""
         bm = self.block_manager

@@ -2,7 +2,7 @@
 
     h = decoder_layer(h, weights, cos, sin, attention, n_heads, n_kv_heads, eps)     # (N, dim) -> (N, dim)
 
-N rows are the step's new tokens, back to back, whatever requests they belong to (model_runner.py
+N rows are the step's new tokens, back to back, whatever requests they belong to (model/runner.py
 builds that flat batch). Only `attention` knows where one request ends and the next begins: it
 receives q, k, v of every row, stores k and v in the paged cache and returns each row's output.
 
@@ -13,7 +13,7 @@ What differs between the ways the engine runs this layer is data, not code:
   linears side by side). `project` applies whichever it is. q, k, v come from ONE matrix and
   gate, up from ONE: fused once, at load time (transforms.fuse_projections). qk_norm: None, or
   the (q_norm, k_norm) weights (D,) of a model that RMS-normalises each head of q and k (Qwen3).
-- `attention`: a closure over the step's attention metadata (model_runner).
+- `attention`: a closure over the step's attention metadata (model/runner.py).
 - compiled or not: a decode-only step on CPU runs this same function under torch.compile
   (compiled_decode_layer below), which turns each layer into a few generated loops; the
   eager run is op by op.
@@ -148,7 +148,7 @@ def paged_decode_layer(h: torch.Tensor, weights: tuple, cos: torch.Tensor, sin: 
     """decoder_layer for a step whose every row is one decode token, with RoPE by cos, sin (N, 1, D/2)
     and its attention spelled out
     for torch.compile: each row's k, v written at its slot, then decode attention over the row's
-    blocks read in place (paged_attention.decode_attention_fused). k_cache, v_cache (num_blocks,
+    blocks read in place (attention.paged.decode_attention_fused). k_cache, v_cache (num_blocks,
     block_size, Hkv, D): this layer's cache; slots (N,), block_tables (N, n), seq_lens (N,) int64;
     window: the model's sliding window (None: full attention)."""
     from minillm.attention.paged import decode_attention_fused

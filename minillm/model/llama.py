@@ -99,7 +99,7 @@ def naive_attention_fp32(q, k, v, causal: bool = True, window: int | None = None
     whatever q's dtype (the definition of right), returned in q's dtype.
     q: (B, Hq, T, hd); k, v: (B, Hkv, S, hd). With S > T the queries are the last T positions.
     window: each query sees only the last `window` keys up to itself (positions.causal_mask).
-    (flash_attention.naive_attention_in_dtype is the same math in q's own dtype.)"""
+    (attention.flash.naive_attention_in_dtype is the same math in q's own dtype.)"""
     n_rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(n_rep, dim=1)                    # (B, Hq, S, hd): copies for GQA
     v = v.repeat_interleave(n_rep, dim=1)                    # (B, Hq, S, hd)

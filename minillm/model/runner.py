@@ -98,7 +98,7 @@ class PagedKVCache:
 
     def gather(self, layer: int, block_tables: torch.Tensor, out: tuple | None = None):
         """Whole blocks of (B, n) block tables -> K, V (B, n * block_size, Hkv, D) in the compute
-        dtype (paged_attention.gather_kv; past each length: stale, mask it). out: two buffers to reuse."""
+        dtype (attention.paged.gather_kv; past each length: stale, mask it). out: two buffers to reuse."""
         return gather_kv(self.k[layer], self.v[layer], block_tables, *self._scales(layer), self.dtype, out)
 
     def _scales(self, layer: int) -> tuple:

@@ -1,7 +1,7 @@
 """Model shapes by name: the one registry of the published architectures the lessons count with.
 
 SmolLM2-135M is the model this project runs; the others are shapes only (roofline calculations,
-random-weight speed stand-ins: model.published_model). ModelConfig has no default shape: a shape is
+random-weight speed stand-ins: model.llama.published_model). ModelConfig has no default shape: a shape is
 named here (ModelConfig.named("llama3-8b") looks it up in SHAPES) or read from a checkpoint
 (minillm/loading/loader.py).
 """
@@ -31,7 +31,7 @@ LLAMA31_70B = dataclasses.replace(LLAMA3_70B, max_seq_len=131072)    # same weig
 # shapes and cost; the values would differ, and these models are random-weight speed stand-ins)
 LLAMA32_1B = ModelConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
                          ffn_dim=8192, rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True)
-PUBLISHED = {"llama2-7b": LLAMA2_7B, "llama3-8b": LLAMA3_8B, "llama3.2-1b": LLAMA32_1B}   # model.published_model
+PUBLISHED = {"llama2-7b": LLAMA2_7B, "llama3-8b": LLAMA3_8B, "llama3.2-1b": LLAMA32_1B}   # model.llama.published_model
 
 # The interview cards' GPU-scale answers (lessons 01-03), from config.json on the Hugging Face Hub:
 # meta-llama/Llama-2-13b-hf (MHA: 40 query and 40 KV heads) and Qwen/Qwen2.5-7B (GQA, 28 query and 4 KV heads, biases on q/k/v, untied LM head;

@@ -29,7 +29,7 @@ Three drafts (make_draft):
 This file holds what the engine's speculation (minillm/speculative/engine.py) and lesson 08's
 per-request loop (minillm/stages/speculative_loop.py, a teaching stage) share: the verification rules, the
 acceptance and cost model, the planning policy, statistics and argument checks, and the drafts. A
-model draft runs its model through the production forward (DraftPool: a model_runner.ModelRunner over
+model draft runs its model through the production forward (DraftPool: a runner.ModelRunner over
 a paged cache of its own), never through a teaching stage.
 """
 from __future__ import annotations
@@ -106,7 +106,7 @@ def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.minimum(p, q).sum(-1)
 
 
-# ---- the adaptive policy: how many drafts pay (batch 1 here; the engine's batch: speculative_engine.py) ----
+# ---- the adaptive policy: how many drafts pay (batch 1 here; the engine's batch: speculative/engine.py) ----
 
 class StepCostModel:
     """t(N) = a + b N seconds for a step over N tokens: least squares over the last COST_WINDOW
@@ -210,7 +210,7 @@ class NgramDraft:
 
 
 class DraftPool:
-    """A draft model's forward, the production one: ONE model_runner.ModelRunner over ONE PagedKVCache
+    """A draft model's forward, the production one: ONE runner.ModelRunner over ONE PagedKVCache
     of its own, shared by every request that drafts with that model (each a ModelDraft holding its own
     blocks). The runner is the engine's: layer.decoder_layer, one-token steps by the compiled decode
     step (compile_decode=True), one attention backend; built with prepack_rows=None and
@@ -235,7 +235,7 @@ class DraftPool:
         num_blocks = num_blocks or -(-max_len // block_size)
         self.free = list(range(num_blocks))[::-1]                      # pop() hands out block 0 first
         self.runner = self._runner(PagedKVCache(model.cfg, num_blocks, block_size, weight.dtype, weight.device))
-        # model_runner.group_by_length on CPU; the GPU kernel takes every row at once (as the engine)
+        # runner.group_by_length on CPU; the GPU kernel takes every row at once (as the engine)
         self.group_cost = None if self.runner.use_triton else GROUP_COST_BLOCKS
 
     def _runner(self, kv: PagedKVCache) -> ModelRunner:

@@ -37,7 +37,7 @@ import time
 import torch
 
 from .core import (DraftPool, ModelDraft, NgramDraft, StepCostModel, draft_model, estimate_alpha,
-                          plan_draft_lengths, verify)
+                   plan_draft_lengths, verify)
 
 
 class EngineSpeculation:

@@ -1,7 +1,7 @@
 """Fast batch-1 decode: the same math as kv_cache.forward_cached with the overhead taken out.
 
 Lesson 02's teaching stage: one sequence on the contiguous cache (kv_cache.KVCache). The engine
-never runs this file; it runs the same recipe on its own layer (model_runner.py, layer.py) and is
+never runs this file; it runs the same recipe on its own layer (model/runner.py, layer.py) and is
 tested equal to it. Where this stage differs from kv_cache.forward_cached is marked # NEW.
 
     decoder = FastDecoder(model)            # once per model, after its load-time transforms

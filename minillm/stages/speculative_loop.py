@@ -20,7 +20,7 @@ from .fast_decode import FastDecoder
 from .kv_cache import KVCache, forward_cached
 from minillm.model.positions import RopeTable
 from minillm.speculative.core import (MAX_SPECULATIVE_TOKENS, ModelDraft, SpecStats, StepCostModel, check_args, estimate_alpha,
-                          make_draft, plan_draft_lengths, verify)
+                                      make_draft, plan_draft_lengths, verify)
 
 
 class Stepper:
@@ -61,7 +61,7 @@ class Stepper:
 def speculative_stream(llm, req, method: str, k: int, stats: SpecStats | None = None,
                        draft=None, decoder: FastDecoder | None = None) -> Iterator[str]:
     """Run one request with speculative decoding, yielding new visible text after every token
-    (the contract of reference.stream_contiguous). draft: a proposer from speculative.make_draft
+    (the contract of reference.stream_contiguous). draft: a proposer from speculative.core.make_draft
     (built if None); decoder: a FastDecoder of llm.model to reuse (built if None)."""
     check_args(method, k)
     draft = draft or make_draft(llm.model, method)                          # NEW: draft

@@ -27,9 +27,9 @@ import kernels.flash_attention as flash_kernel  # noqa: E402
 import minillm.attention.flash as flash_module  # noqa: E402
 from kernels.flash_attention import INTERPRETED, triton_flash_attention_forward  # noqa: E402
 from minillm.attention.flash import (  # noqa: E402
-    flash_attention, flash_attention_backward_torch, flash_attention_torch, naive_attention_in_dtype,
-    naive_attention_in_dtype_lse, online_softmax_steps, triton_usable,
-)
+                                     flash_attention, flash_attention_backward_torch, flash_attention_torch, naive_attention_in_dtype,
+                                     naive_attention_in_dtype_lse, online_softmax_steps, triton_usable,
+                                     )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -21,8 +21,8 @@ if not torch.cuda.is_available():
 
 from kernels.paged_attention import paged_attention_decode, store_kv  # noqa: E402
 from minillm.attention.paged import (  # noqa: E402
-    allocate_kv_cache, block_table_tensor, paged_attention_reference, store_kv_reference,
-)
+                                     allocate_kv_cache, block_table_tensor, paged_attention_reference, store_kv_reference,
+                                     )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LENGTHS = [1, 37, 463, 1328]

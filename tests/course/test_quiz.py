@@ -14,7 +14,7 @@ import pytest
 
 from minillm.__main__ import main
 from minillm.course.quiz import (KINDS, REPO, REQUIRED, BankError, heading_anchors, lesson_anchors, lesson_path, load_bank,
-                          run, select, shown)
+                                 run, select, shown)
 
 BANK = load_bank()
 

@@ -5,8 +5,8 @@ import torch
 from minillm import SamplingParams
 from minillm.loading.loader import load_model
 from minillm.model.llama import (
-    ATTENTION_BACKENDS, Llama, attention_function, naive_attention_fp32, random_model, tiny_config,
-)
+                                 ATTENTION_BACKENDS, Llama, attention_function, naive_attention_fp32, random_model, tiny_config,
+                                 )
 
 
 def _tokens(n, seed=0, vocab=49152):

@@ -7,9 +7,9 @@ import pytest
 from minillm.model.llama import ModelConfig
 from minillm.model.shapes import SMOLLM2_135M
 from minillm.perf.roofline import (GPUS, LLAMA2_7B, LLAMA2_70B, LLAMA3_8B, LLAMA3_70B, LLAMA31_70B, compute_bound_batch,
-                              decode_bytes_per_step, decode_flops_per_token, decode_step_seconds, kv_bytes_per_token,
-                              max_sequences, prefill_flops, prefill_seconds, ridge_point, weight_bytes,
-                              weight_bytes_read)
+                                   decode_bytes_per_step, decode_flops_per_token, decode_step_seconds, kv_bytes_per_token,
+                                   max_sequences, prefill_flops, prefill_seconds, ridge_point, weight_bytes,
+                                   weight_bytes_read)
 
 
 @pytest.mark.parametrize("cfg, billions",
@@ -167,7 +167,7 @@ def test_speculative_crossover_with_the_kv_cache_against_a_hand_count():
     """Lesson 08 §4: the speculative step does (1 + k) x the FLOPs and reads the same bytes (weights once,
     each request's KV once), so the crossover B = E W R / ((1 + k) F - E R m) moves out with the context."""
     from minillm.perf.roofline import (expected_tokens_per_call, speculation_always_pays_context,
-                                  speculative_crossover_batch, speculative_roofline_speedup)
+                                       speculative_crossover_batch, speculative_roofline_speedup)
     from minillm.course.calculators import crossover_batch
 
     e = (1 - 0.8 ** 5) / 0.2                                                  # 3.36 tokens per verification
@@ -197,7 +197,7 @@ def test_speculative_crossover_with_the_kv_cache_against_a_hand_count():
 
 def test_gemv_instruction_budget_is_issue_slots_per_weight_the_memory_delivers():
     from minillm.perf.roofline import (HOPPER_SXM, W4A16_G128_BITS, boost_clock_hz, gemv_bandwidth_share,
-                                  gemv_instruction_budget)
+                                       gemv_instruction_budget)
     clock = boost_clock_hz()
     assert clock == pytest.approx(1.98e9, rel=1e-3)          # 66.9 TFLOPS / (2 x 16,896 FP32 cores)
     budget = gemv_instruction_budget("H200")

@@ -385,7 +385,7 @@ def kernel_benchmark(quick: bool = False, device: str = "cuda", shapes=((4096, 4
 
 def end_to_end_decode(shape: str = "llama2-7b", device: str = "cuda", new_tokens: int = 64, prompt_tokens: int = 16,
                       cfg=None, repeats: int = 3, tune_kernels: bool = True) -> dict:
-    """Batch-1 greedy decode of a random-weight model of a published shape (model.published_model; or
+    """Batch-1 greedy decode of a random-weight model of a published shape (model.llama.published_model; or
     `cfg`, for a small check on CPU) with fp16 weights, then the same model with int4 g128 (RTN) weights:
     tokens/s of each (median of `repeats` runs after a warm-up, the clock read after a synchronize) and
     the weight bytes each reads per token. Both run the same cached forward (kv_cache.generate_greedy,
