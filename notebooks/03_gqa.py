@@ -8,7 +8,8 @@
 import torch
 from minillm.attention.gqa import grouped_attention, convert_kv_heads
 from minillm.model.llama import naive_attention_fp32
-from minillm.course.benchmarks.gqa import kv_table, max_batch
+from minillm.model import shapes
+from minillm.stages.kv_cache import KVCache
 from minillm import LLM
 from minillm.evaluate import perplexity
 from minillm.course.notebook import start
@@ -54,9 +55,15 @@ for hq, hkv in [(9, 9), (9, 3), (9, 1)]:
 # use GQA (Llama 2 paper, arXiv 2307.09288, §2.2 and Table 1), whatever the source article says (lesson 03's card).
 
 # %%
-for r in kv_table():
-    print(f"{r['model']:13s} MHA {r['MHA_KiB']:6.0f} KiB   shipped ({r['shipped_kv_heads']:2d} KV heads) {r['shipped_KiB']:6.0f} KiB   "
-          f"MQA {r['MQA_KiB']:5.0f} KiB   at 32K tokens: {r['shipped_GB_at_32k']:5.1f} GB")
+def kv_bytes(cfg, kv_heads, tokens=1, bytes_per_value=2):
+    return 2 * cfg.n_layers * kv_heads * cfg.head_dim * tokens * bytes_per_value    # K and V, every layer
+
+models = {"Llama-2-7B": shapes.LLAMA2_7B, "Llama-2-70B": shapes.LLAMA2_70B, "Llama-3-8B": shapes.LLAMA3_8B,
+          "Qwen2.5-7B": shapes.QWEN25_7B, "SmolLM2-135M": shapes.SMOLLM2_135M}
+for name, cfg in models.items():
+    print(f"{name:13s} MHA {kv_bytes(cfg, cfg.n_heads) / 1024:6.0f} KiB   shipped ({cfg.n_kv_heads:2d} KV heads) "
+          f"{kv_bytes(cfg, cfg.n_kv_heads) / 1024:6.0f} KiB   MQA {kv_bytes(cfg, 1) / 1024:5.0f} KiB   "
+          f"at 32K tokens: {kv_bytes(cfg, cfg.n_kv_heads, 32768) / 1e9:5.1f} GB")
 
 # %% [markdown]
 # ## 3. SmolLM2 converted to MQA by mean-pooling its 3 K/V heads into 1
@@ -73,7 +80,10 @@ ppl = {}
 for kv in (3, 1):
     llm.model = base if kv == 3 else convert_kv_heads(base, kv)
     ppl[kv] = perplexity(llm, window=256, max_windows=windows)
-    print(f"{kv} KV heads: perplexity {ppl[kv]:.2f}, max batch at 2048 tokens in 1 GiB (bf16): {max_batch(llm.model.cfg, 1 << 30, 2048)}")
+    cfg = llm.model.cfg
+    batch = (1 << 30) // kv_bytes(cfg, cfg.n_kv_heads, 2048)              # bf16 caches of 2048 tokens in 1 GiB
+    assert KVCache(cfg, batch, 2048, torch.bfloat16).nbytes <= 1 << 30     # the real allocation agrees
+    print(f"{kv} KV heads: perplexity {ppl[kv]:.2f}, max batch at 2048 tokens in 1 GiB (bf16): {batch}")
 print(f"MQA without uptraining costs {ppl[1]/ppl[3]-1:+.0%} perplexity")
 llm.model = base
 

@@ -119,10 +119,13 @@ plt.tight_layout(); plt.show()
 
 # %%
 from minillm import LLM, SamplingParams
-from minillm.course.benchmarks.speculative import PROMPTS
 llm = LLM(model="smollm2", dtype="float32", device=device)
 tok = llm.get_tokenizer()
-prompt = tok.apply_chat_template([{"role": "user", "content": PROMPTS["grounded"]}])
+PARAGRAPH = ("The old lighthouse stood on the edge of the cliff for more then two hundred years. Every night "
+             "its lamp turned slowly, and ships that past the rocks trusted it's light to guide them home. In "
+             "the winter storms the keeper climbed the stairs evry hour to clean the glass and trim the wick.")
+ask = "Fix the spelling mistakes in this paragraph and return the corrected paragraph:\n\n" + PARAGRAPH
+prompt = tok.apply_chat_template([{"role": "user", "content": ask}])
 params = SamplingParams(temperature=0, max_tokens=12 if QUICK else 40, ignore_eos=True)
 
 def plain(prompt, params):
@@ -171,17 +174,20 @@ for temperature in (0.7, 1.0):
 # [^temps]: measured in results/speculative.json: config.temperatures[1]; config.temperatures[2]
 
 # %%
-from minillm.course.benchmarks.common import format_table
 path = Path("../results/speculative.json")
 doc = json.loads(path.read_text()) if path.exists() else None
 if doc:
     print(doc["machine"])
-    print(format_table(doc["summary"]["draft_choice"]))
+    for row in doc["summary"]["draft_choice"]:
+        print("  ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
     s = doc["summary"]
     print("\nbest greedy speedup on the grounded prompt:", round(s["best_speedup_greedy_grounded"], 2),
           s["best_greedy_grounded"])
-    rows = [r for r in doc["results"] if r["k"] in (1, 4, 8)]
-    print(format_table(rows, ["kind", "temperature", "method", "k", "acceptance_rate", "tokens_per_call", "speedup"]))
+    print(f"\n{'kind':>9} {'temp':>4} {'method':>10} {'k':>2} {'accepted':>8} {'tok/call':>8} {'speedup':>7}")
+    for r in doc["results"]:
+        if r["k"] in (1, 4, 8):
+            print(f"{r['kind']:>9} {r['temperature']:4.1f} {r['method']:>10} {r['k']:2d} {r['acceptance_rate']:8.3f} "
+                  f"{r['tokens_per_call']:8.2f} {r['speedup']:7.2f}")
 else:
     print("results/speculative.json not found: run the benchmark first")
 
