@@ -191,13 +191,16 @@ with torch.no_grad():
 path = Path("../results/quant.json")
 if path.exists():
     doc = json.loads(path.read_text())
-    from minillm.course.benchmarks.common import format_table
-    from minillm.course.benchmarks.quant import plot
-    cols = ["method", "ppl", "bits_per_param", "vs_fp16", "model_MB", "decode_tok_s", "quantize_s"]
     print(doc["machine"]["cpu"], "| threads", doc["machine"]["threads"])
-    print(format_table(doc["results"], cols))
+    print(f"{'method':>22} {'ppl':>8} {'bits/param':>10} {'vs fp16':>8} {'MB':>6} {'decode tok/s':>12} {'quantise s':>10}")
+    cell = lambda r, key, width, spec: f"{r[key]:{width}{spec}}" if r.get(key) is not None else " " * (width - 1) + "-"
+    for r in doc["results"]:
+        print(f"{r['method']:>22} " + " ".join(cell(r, k, w, s) for k, w, s in
+              (("ppl", 8, ".2f"), ("bits_per_param", 10, ".2f"), ("vs_fp16", 8, ".3f"), ("model_MB", 6, ".0f"),
+               ("decode_tok_s", 12, ".1f"), ("quantize_s", 10, ".1f"))))
     print(json.dumps(doc["summary"]["targets"], indent=1))
-    plot(doc); plt.show()
+    from IPython.display import Image, display
+    display(Image(filename="../results/quant.png"))              # drawn by the benchmark from the same JSON
 else:
     print("results/quant.json not found: run  python -m minillm bench quant --json results/quant.json")
 
@@ -245,14 +248,15 @@ ops = operands(q)
 y = w4a16_matmul_torch(x, ops["packed"], ops["scale"], ops["zero"], ops["code"], group=ops["group"])
 print("twin vs dequantise-then-matmul: max |diff| =", (y - x @ q.dequantize().T).abs().max().item())
 if torch.cuda.is_available():
-    from minillm.course.benchmarks.quant import kernel_benchmark
-    from minillm.course.benchmarks.common import format_table
-    rows = kernel_benchmark(quick=True)["results"]                 # batch 1 and 16; the full sweep: results/gpu/
-    print(format_table(rows, ["shape", "batch", "fp16_us", "w4a16_us", "w4a16_kernel", "speedup",
-                              "w4a16_fraction_of_copy_bandwidth", "first_run_kernel_us"]))
+    from minillm.quant.w4a16 import w4a16_linear
+    for rows in (1, 16):                                         # the split-K GEMV, then the tensor-core kernel
+        xh = torch.randn(rows, q.in_features, device=device, dtype=torch.float16)
+        ref = w4a16_matmul_torch(xh.float(), ops["packed"], ops["scale"], ops["zero"], ops["code"], group=ops["group"])
+        print(f"{rows:2d} rows: Triton kernel vs twin: max |diff| = {(w4a16_linear(xh, q).float() - ref).abs().max().item():.1e}")
+    print("the kernel's timing (fp16 matmul vs W4A16, batch 1..16, CUDA events): make gpu-check, results/gpu/")
 else:
-    print("no GPU here: the kernel benchmark (fp16 matmul vs W4A16 at batch 1..16) is not measured")
+    print("no GPU here: the Triton kernels are not run (their timing: make gpu-check, results/gpu/)")
 
 # %%
-from minillm.course.benchmarks.common import save_notebook_values
+from minillm.course.notebook import save_notebook_values
 print("saved", save_notebook_values("04", values, QUICK) or "nothing (quick mode)")

@@ -100,12 +100,16 @@ for p, m in [(3, 1), (3, 4), (4, 12)]:
           f"same: {abs(idle - bubble_fraction(p, m)) < 1e-12}")
 
 # %% [markdown]
-# Measured on processes (`bench parallel` does the full sweep): each stage's busy time against the wall time of
-# the pass. Small micro-batches on a shared CPU add overhead the formula does not have.
+# Measured on processes by `python -m minillm bench parallel` (the cell reads its committed result, it does not
+# rerun it): each stage's busy time against the wall time of the pass. Small micro-batches on a shared CPU add
+# overhead the formula does not have.
 
 # %%
-from minillm.course.benchmarks.parallel import bubble
-for row in bubble(quick=True):
+import json
+from pathlib import Path
+doc = json.loads(Path("../results/parallel.json").read_text())
+print(doc["machine"]["cpu"], f"({doc['machine']['threads']} threads)")
+for row in (r for r in doc["results"] if r["part"] == "bubble"):
     print(f"p={row['stages']} m={row['micro_batches']}: idle share measured {row['idle_share_measured']:.2f}, "
           f"formula {row['idle_share_formula']:.2f}")
 

@@ -98,27 +98,36 @@ print("same hits as by hand:", library["radix"] == by_hand == library["hash"])
 #
 # ## 2. Hash vs radix vs no cache through the engine
 #
-# `bench prefix` sends waves of concurrent requests through the engine (SmolLM2, greedy) with caching off, the
-# hash index and the tree, and counts the prefill tokens computed and the KV blocks held.
+# Two waves of concurrent requests through the engine (SmolLM2, greedy), with caching off, the hash index and the
+# tree. `system prompt`: one long shared prompt, then a question each. `branches`: one document, then a tool step
+# each, and in the second wave each branch grows by a step. Each output says how many of its prompt tokens the
+# cache served (`RequestOutput.num_cached_tokens`); the engine's step log says how many KV blocks were held at the
+# peak. (`python -m minillm bench prefix` runs these and two more workloads at full size.)
 
 # %%
-from minillm.course.benchmarks import prefix as bp
+import statistics
 from minillm.evaluate import evaluation_text
 tok, text = llm.get_tokenizer(), evaluation_text()
-rows = []
-for workload in ("system_prompt",) if QUICK else ("system_prompt", "branches"):
-    waves = bp.WORKLOADS[workload](tok, text, quick=True)
+document = tok.encode(text)[:256 if QUICK else 384]
+questions = [tok.encode(f"\nQuestion {i}: summarise the passage above in {i + 3} words.\nAnswer:") for i in range(8)]
+steps = [tok.encode(f"\nStep {k}: call tool number {k} on the document and report.\n") for k in range(5)]
+workloads = {"system prompt": [[document + q for q in questions[:4]], [document + q for q in questions[4:]]],
+             "branches": [[document + steps[k] for k in range(4)], [document + steps[k] + steps[k + 1] for k in range(4)]]}
+params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+for workload in ("system prompt",) if QUICK else workloads:
     outputs = {}
-    for mode in bp.MODES:
+    for mode in ("none", "hash", "radix"):
         run_llm = LLM(model=llm.model, tokenizer=tok, device=device, max_model_len=1024, num_kv_blocks=512,
-                      enable_prefix_caching=mode != "none", prefix_cache="radix" if mode == "radix" else "hash")
-        r = bp.run_workload(run_llm, waves, max_tokens=4)
-        outputs[mode] = r.pop("outputs")
-        rows.append({"workload": workload, "mode": mode, **r})
+                      enable_prefix_caching=mode != "none", **({"prefix_cache": mode} if mode != "none" else {}))
+        done = [o for wave in workloads[workload]
+                for o in run_llm.generate([{"prompt_token_ids": p} for p in wave], params, use_tqdm=False)]
+        held = run_llm.engine.block_manager.num_blocks - min(s["free_blocks"] for s in run_llm.engine.step_log)
+        prompt, served = sum(len(o.prompt_token_ids) for o in done), sum(o.num_cached_tokens for o in done)
+        ttft = statistics.median(o.metrics.time_to_first_token for o in done)
+        print(f"{workload:>13} {mode:>5}: prompt {prompt:5d}  served by the cache {served:5d} ({served / prompt:5.1%})  "
+              f"peak blocks {held:4d}  TTFT p50 {ttft:.3f} s")
+        outputs[mode] = [o.outputs[0].token_ids for o in done]
     print(workload, "identical tokens with none / hash / radix:", outputs["none"] == outputs["hash"] == outputs["radix"])
-for r in rows:
-    print(f'{r["workload"]:>14} {r["mode"]:>5}: prompt {r["prompt_tokens"]:5d}  prefill computed {r["prefill_tokens_computed"]:5d}'
-          f'  hit rate {r["cached_tokens"] / r["prompt_tokens"]:5.1%}  peak blocks {r["peak_blocks_used"]:4d}  TTFT p50 {r["ttft_p50_s"]:.3f} s')
 
 # %% [markdown]
 # ## 3. From a regex to a mask over the vocabulary, by hand

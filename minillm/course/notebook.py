@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from minillm.course.benchmarks.common import _cpu_name, quick_mode
+from minillm.course.benchmarks.common import _cpu_name, machine_info, quick_mode, write_json
 
 FIRST_LINE = re.compile(r"^machine: (?P<machine>[^|]+?) \| device: (?P<device>\w+) \| torch \S+ \| "
                         r"triton \S+ \| mode: (?P<mode>quick|full)$")
@@ -58,3 +58,12 @@ def produced_on(path: str | Path) -> str:
                                  f"machine line of minillm.course.notebook.start(); it starts {text[:80]!r}")
             return f"{match['machine']}, {match['device']}, {match['mode']}"
     raise ValueError(f"{Path(path).name} has no code cell")
+
+
+def save_notebook_values(notebook: str, values: dict, quick: bool) -> Path | None:
+    """Write the figures a lesson quotes from a notebook's full run to results/notebook-NAME.json.
+    Quick runs (CI) write nothing, so the committed file always comes from a full run."""
+    if quick:
+        return None
+    doc = {"name": f"notebook {notebook}", "machine": machine_info(), "values": values}
+    return write_json(doc, Path(__file__).resolve().parents[2] / "results" / f"notebook-{notebook}.json")

@@ -91,7 +91,8 @@ class OutputProcessor:
             logprobs=req.output_logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason)
         return RequestOutput(request_id=req.request_id, prompt=req.prompt,
                              prompt_token_ids=req.prompt_token_ids, prompt_logprobs=req.prompt_logprobs,
-                             outputs=[completion], finished=req.finished, metrics=req.metrics)
+                             outputs=[completion], finished=req.finished, metrics=req.metrics,
+                             num_cached_tokens=req.num_cached_tokens)
 
 
 def logprob_entry(logits: torch.Tensor, token: int, k: int, tokenizer) -> tuple[dict[int, Logprob], float]:

@@ -50,3 +50,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default=None)
+    num_cached_tokens: int = 0      # prompt tokens the prefix cache served, not computed (vLLM's field)

@@ -211,3 +211,20 @@ def test_can_allocate_counts_evictable_hits_as_used():
     assert bm.num_free_blocks == 2 and bm.prefix_cache.num_evictable == 2
     bm.free("y")
     assert bm.can_allocate(a2) and bm.allocate(a2) == 8
+
+
+@pytest.mark.parametrize("index", ["hash", "radix"])
+def test_request_output_says_how_many_prompt_tokens_the_cache_served(index):
+    """RequestOutput.num_cached_tokens (vLLM's field): whole blocks of an earlier prompt's prefix, 0 without caching."""
+    from helpers import CharTokenizer
+    from minillm import LLM, SamplingParams
+    from minillm.model.llama import random_model, tiny_config
+
+    model, params = random_model(tiny_config(), seed=0), SamplingParams(max_tokens=2, ignore_eos=True)
+    shared = list(range(3, 3 + 40))                                 # 2 whole blocks of 16, and 8 tokens more
+    for caching, expected in ((True, 32), (False, 0)):
+        llm = LLM(model=model, tokenizer=CharTokenizer(), max_model_len=128, enable_prefix_caching=caching,
+                  **({"prefix_cache": index} if caching else {}))
+        first = llm.generate([{"prompt_token_ids": shared + [50]}], params, use_tqdm=False)[0]
+        second = llm.generate([{"prompt_token_ids": shared + [60, 61]}], params, use_tqdm=False)[0]
+        assert (first.num_cached_tokens, second.num_cached_tokens) == (0, expected), caching

@@ -74,15 +74,6 @@ def write_json(doc: dict, path: str | Path) -> Path:
     return path
 
 
-def save_notebook_values(notebook: str, values: dict, quick: bool) -> Path | None:
-    """Write the figures a lesson quotes from a notebook's full run to results/notebook-NAME.json.
-    Quick runs (CI) write nothing, so the committed file always comes from a full run."""
-    if quick:
-        return None
-    doc = {"name": f"notebook {notebook}", "machine": machine_info(), "values": values}
-    return write_json(doc, Path(__file__).resolve().parents[3] / "results" / f"notebook-{notebook}.json")
-
-
 def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
     """A plain-text table of dicts (floats shown with 4 significant digits)."""
     if not rows:
