@@ -18,7 +18,8 @@ from minillm.kvcache.block_manager import BlockManager
 from minillm.engine.request import Request
 from minillm.engine.scheduler import Scheduler
 from minillm.course.notebook import start
-from minillm.course.benchmarks import batching as bb
+from minillm.stages.static_batching import generate_static
+from minillm.evaluate import evaluation_text
 device, QUICK = start()                        # cuda when present; prints the machine
 
 
@@ -93,10 +94,34 @@ print("hand trace vs Scheduler, same schedule:", library == by_hand)
 # ## 2. The engine on SmolLM2, and the same tokens as one at a time
 
 # %%
+def make_workload(tok, n, prompt_range, output_range, seed=0):
+    """n chat prompts cut from Python's docs, lengths and output lengths log-uniform in their ranges."""
+    rng, body = np.random.default_rng(seed), tok.encode(evaluation_text())
+    head = tok.encode("<|im_start|>user\nSummarise this passage:\n")
+    tail = tok.encode("<|im_end|>\n<|im_start|>assistant\n")
+    prompts, outputs = [], []
+    for _ in range(n):
+        length = int(np.exp(rng.uniform(*np.log(prompt_range))))
+        start = int(rng.integers(0, len(body) - length))
+        prompts.append(head + body[start:start + max(1, length - len(head) - len(tail))] + tail)
+        outputs.append(int(np.exp(rng.uniform(*np.log(output_range)))))
+    return prompts, outputs
+
+def run_engine(llm, prompts, outputs):
+    """Every request submitted at once through LLM.generate; the engine's step log records each step's plan."""
+    llm.engine.step_log.clear()
+    t0 = time.perf_counter()
+    done = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs], use_tqdm=False)
+    wall = time.perf_counter() - t0
+    steps = list(llm.engine.step_log)
+    return {"wall": wall, "t0": t0, "steps": steps, "tokens": [o.outputs[0].token_ids for o in done],
+            "ttft": [o.metrics.time_to_first_token for o in done], "preempted": sum(s["num_preempted"] for s in steps)}
+
 n, prange, orange = (6, (64, 160), (4, 16)) if QUICK else ((64 if device == "cuda" else 16), (64, 512), (16, 128))
 llm = LLM(model="smollm2", dtype="float32", device=device, max_num_batched_tokens=256)
-prompts, outputs = bb.make_workload(llm.get_tokenizer(), n, prange, orange)
-r = bb.run_engine(llm, prompts, outputs)
+prompts, outputs = make_workload(llm.get_tokenizer(), n, prange, orange)
+r = run_engine(llm, prompts, outputs)
 alone = []
 for p, m in zip(prompts[:3], outputs[:3]):
     (req,) = llm.make_requests([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
@@ -120,12 +145,16 @@ ax[1].set_xlabel("seconds"); plt.tight_layout(); plt.show()
 # leave and join every step.
 
 # %%
-static = bb.run_static(llm.model, prompts, outputs, batch_size=8)
-cont = bb.run_engine(llm, prompts, outputs)
-for name, res in (("static (batches of 8)", static), ("continuous", cont)):
-    print(f"{name:22s} {sum(outputs)/res['wall']:7.1f} output tok/s   TTFT p50 {np.median(res['ttft']):6.2f} s")
-print(f"static batching computed {static['waste']:.0%} of its rows for requests that were already done")
-print("same tokens:", static["tokens"] == cont["tokens"])
+t0 = time.perf_counter()
+static = generate_static(llm.model, prompts, outputs, batch_size=8)
+static_wall = time.perf_counter() - t0
+cont = run_engine(llm, prompts, outputs)
+print(f"{'static (batches of 8)':22s} {sum(outputs)/static_wall:7.1f} output tok/s   "
+      f"TTFT p50 {np.median([t - t0 for t in static['first_token_time']]):6.2f} s")
+print(f"{'continuous':22s} {sum(outputs)/cont['wall']:7.1f} output tok/s   TTFT p50 {np.median(cont['ttft']):6.2f} s")
+print(f"static batching computed {1 - static['useful_tokens'] / static['computed_tokens']:.0%} of its rows for "
+      f"requests that were already done")
+print("same tokens:", static["token_ids"] == cont["tokens"])
 
 # %% [markdown]
 # ## 4. Preemption: a KV pool too small for everyone
@@ -136,5 +165,5 @@ print("same tokens:", static["tokens"] == cont["tokens"])
 # %%
 max_len, blocks = (512, 32) if QUICK else (1024, 64)     # room for one longest request, not for all
 small = LLM(model=llm.model, tokenizer=llm.get_tokenizer(), device=device, max_model_len=max_len, num_kv_blocks=blocks)
-s = bb.run_engine(small, prompts, outputs)
+s = run_engine(small, prompts, outputs)
 print(f"preemptions: {s['preempted']}, tokens identical: {s['tokens'] == cont['tokens']}")
