@@ -15,10 +15,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 import httpx
 import matplotlib.pyplot as plt
+import numpy as np
 import openai
 from minillm import LLM
 from minillm.serving.server import ServerThread, build_app
-from minillm.course.benchmarks import serve as serve_bench
 from minillm.course.notebook import start
 
 device, QUICK = start()                        # cuda when present; prints the machine
@@ -152,19 +152,59 @@ print(stats)
 # ## 6. Load test: what the request rate does to throughput and latency
 #
 # Poisson arrivals at several rates, streamed chat requests of a fixed length (`ignore_eos`), TTFT and TPOT
-# measured by the client (`minillm/course/benchmarks/serve.py`; the full run is
+# measured by the client below (the full run, with hostile traffic too, is
 # `python -m minillm bench serve --json results/serve.json`). More load means bigger batches and more
 # tokens/s, until the engine saturates: then requests queue and TTFT climbs.
 
 # %%
+QUESTIONS = ["What is a KV cache?", "Explain continuous batching in two sentences.", "Write a haiku about the sea.",
+             "Give me three tips for readable Python code.", "What is the difference between a list and a tuple?",
+             "Why is the sky blue?", "Summarise the plot of Hamlet.", "What does an operating system do?"]
+
+def timed_chat(question, max_tokens, send_at, start):
+    """One streamed chat request sent at start + send_at; the client's clock at sending and at each content chunk."""
+    time.sleep(max(0.0, start + send_at - time.perf_counter()))
+    sent, chunks, usage = time.perf_counter(), [], None
+    for chunk in client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
+                                                max_tokens=max_tokens, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            chunks.append(time.perf_counter())
+        usage = chunk.usage or usage
+    n = usage.completion_tokens
+    return {"sent": sent, "last": chunks[-1], "tokens": n, "ttft": chunks[0] - sent,
+            "tpot": (chunks[-1] - chunks[0]) / (n - 1)}
+
+def load_test(rate, num_requests, max_tokens):
+    """Open loop: request i leaves at its Poisson arrival time (exponential gaps, mean 1 / rate), whether or not
+    the earlier ones have finished."""
+    gaps = np.random.default_rng(0).exponential(1.0 / rate, num_requests)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(num_requests) as pool:
+        done = list(pool.map(lambda i: timed_chat(QUESTIONS[i % len(QUESTIONS)], max_tokens, gaps[:i].sum(), start),
+                             range(num_requests)))
+    wall = max(d["last"] for d in done) - min(d["sent"] for d in done)
+    ttft, tpot = [d["ttft"] for d in done], [d["tpot"] for d in done]
+    return {"rate": rate, "tok_s": sum(d["tokens"] for d in done) / wall,
+            "ttft_p50": np.percentile(ttft, 50), "ttft_p99": np.percentile(ttft, 99),
+            "tpot_p50": np.percentile(tpot, 50), "tpot_p99": np.percentile(tpot, 99)}
+
 rates = [1.0, 4.0] if QUICK else [0.5, 1.0, 2.0, 4.0]
 num_requests, max_tokens = (4, 8) if QUICK else (16, 32)
-rows = [serve_bench.load_test(server.base_url, "smollm2", rate, num_requests, max_tokens) for rate in rates]
+rows = [load_test(rate, num_requests, max_tokens) for rate in rates]
 for r in rows:
-    print(f"{r['rate_req_s']:4g} req/s: {r['output_tok_s']:6.1f} tok/s   TTFT p50 {r['ttft_p50_s']:.2f} s  "
-          f"p99 {r['ttft_p99_s']:.2f} s   TPOT p50 {r['tpot_p50_ms']:.0f} ms  p99 {r['tpot_p99_ms']:.0f} ms")
-serve_bench.plot(rows)
-plt.show()
+    print(f"{r['rate']:4g} req/s: {r['tok_s']:6.1f} tok/s   TTFT p50 {r['ttft_p50']:.2f} s  p99 {r['ttft_p99']:.2f} s   "
+          f"TPOT p50 {1e3 * r['tpot_p50']:.0f} ms  p99 {1e3 * r['tpot_p99']:.0f} ms")
+fig, (a, b, c) = plt.subplots(1, 3, figsize=(11, 3.3))
+a.plot(rates, [r["tok_s"] for r in rows], "o-"); a.set_ylabel("output tokens/s")
+for key in ("ttft_p50", "ttft_p99"):
+    b.plot(rates, [r[key] for r in rows], "o-", label=key[-3:])
+for key in ("tpot_p50", "tpot_p99"):
+    c.plot(rates, [1e3 * r[key] for r in rows], "o-", label=key[-3:])
+b.set_ylabel("TTFT (s)"); c.set_ylabel("TPOT (ms)"); b.legend(); c.legend()
+for ax in (a, b, c):
+    ax.set_xscale("log", base=2); ax.set_xticks(rates, [f"{r:g}" for r in rates]); ax.set_xlabel("offered load (requests/s)")
+fig.tight_layout(); plt.show()
 
 # %%
 server.stop()

@@ -185,7 +185,7 @@ def test_produced_on_refuses_a_notebook_without_the_machine_line(tmp_path):
 
 # Notebooks that still reach into minillm.course.benchmarks (issue 44 moves them to the public API and the module
 # each teaches, then re-executes them); the list only shrinks: a notebook off it may not import a benchmark again.
-STILL_READING_BENCHMARKS = {"01", "05", "06", "09"}
+STILL_READING_BENCHMARKS = {"01", "05", "06"}
 
 
 def test_notebooks_build_on_the_library_not_on_benchmark_internals():
