@@ -65,6 +65,10 @@ def model_source(model: Llama, name: str | None) -> tuple:
     weights) for a module built in memory (tests), without the fused views fuse_projections adds."""
     if name is not None:
         return ("load", name)
+    if type(model) is not Llama:            # the workers rebuild a Llama: another forward would run there
+        raise ValueError(f"a tensor- or pipeline-parallel LLM sends its workers a Llama's config and weights; the "
+                         f"module is a {type(model).__qualname__}, whose own code would not run on the other ranks. "
+                         f"Allowed: a minillm.model.llama.Llama, or a model name or path")
     weights = {k: v for k, v in model.state_dict().items() if ".wqkv." not in k and ".w_gate_up." not in k}
     return ("state", model.cfg, weights)
 
@@ -249,11 +253,11 @@ def start(model: Llama, name: str | None, mode: str, size: int, dtype: str,
         return _join_torchrun(model, mode, size, device)
     if dist.is_initialized():
         raise ValueError("a tensor- or pipeline-parallel LLM is already running in this process; close() it first")
+    source = model_source(model, name)                  # refuses a module the workers cannot rebuild
     part = part_of(model, mode, 0, size)                # checks the size before any process starts
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
     threads = max(1, torch.get_num_threads() // size)
-    source = model_source(model, name)
     processes = [ctx.Process(target=_worker_main, daemon=True, name=f"minillm-{mode}-rank{rank}",
                              args=(rank, size, store.port, mode, source, dtype, str(device.type), threads, os.getpid()))
                  for rank in range(1, size)]

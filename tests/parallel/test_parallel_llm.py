@@ -197,6 +197,19 @@ def test_a_script_without_a_main_guard_starts_a_parallel_llm(tmp_path):
     assert run.stdout.startswith("tokens [") and len(run.stdout.split(",")) == 4
 
 
+def test_a_module_of_another_class_is_refused_before_any_worker_starts():
+    """The workers rebuild a plain Llama from config and weights: a subclass's own forward would run on rank 0 only."""
+    from minillm.model.llama import Llama
+
+    class Mine(Llama):
+        pass
+
+    with pytest.raises(ValueError, match="the module is a .*Mine.*Allowed: a minillm.model.llama.Llama"):
+        LLM(model=Mine(tiny_config()), tokenizer=CharTokenizer(), max_model_len=64, device="cpu",
+            tensor_parallel_size=2)
+    assert not multiprocessing.active_children()
+
+
 def test_a_worker_that_dies_before_joining_fails_the_start_at_once_and_says_why():
     """Rank 0 watches the spawned workers while it waits for them at the store: one that exits first fails the
     start at once, with its exit code, instead of leaving rank 0 to wait out the rendezvous."""
