@@ -17,17 +17,17 @@ from typing import Iterator
 
 import torch
 
-from minillm.model.transforms import fuse_projections
-from .config import EngineConfig, check_model
 from minillm.engine.engine import Engine
-from minillm.speculative.engine import EngineSpeculation
-from minillm.loading.loader import load_model, resolve_device
 from minillm.engine.output_processor import OutputProcessor
 from minillm.engine.outputs import RequestMetrics, RequestOutput
-from minillm.model.positions import RopeTable
-from minillm.quant.linear import QuantLinear
 from minillm.engine.request import Request
 from minillm.engine.sampling import SamplingParams, make_generator
+from minillm.loading.loader import load_model, resolve_device
+from minillm.model.positions import RopeTable
+from minillm.model.transforms import fuse_projections
+from minillm.quant.linear import QuantLinear
+from minillm.speculative.engine import EngineSpeculation
+from .config import EngineConfig, check_model
 
 # Process-wide, not per LLM: request ids stay unique when requests made by one LLM meet another's in
 # an engine or a log (tests, notebooks and benchmarks build several LLMs around one model).

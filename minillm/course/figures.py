@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from minillm.perf import roofline
-from minillm.kvcache.block_manager import BlockManager
 from minillm.course.calculators import kv_cache_bytes
-from minillm.model.llama import random_model, tiny_config
 from minillm.engine.request import Request
 from minillm.engine.sampling import SamplingParams
+from minillm.kvcache.block_manager import BlockManager
+from minillm.model.llama import random_model, tiny_config
+from minillm.perf import roofline
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT_DIR = ROOT / "lessons" / "figures"

@@ -28,8 +28,8 @@ from collections import deque
 
 import torch
 
-from minillm.kvcache.block_manager import BlockManager
 from minillm.config import EngineConfig, resolve_num_kv_blocks
+from minillm.kvcache.block_manager import BlockManager
 from minillm.model.cuda_graphs import make_decode_graphs
 from minillm.model.runner import GROUP_COST_BLOCKS, ModelRunner, PagedKVCache, build_batch
 from .request import Request, RequestStatus

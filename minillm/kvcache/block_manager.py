@@ -56,9 +56,9 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from minillm.engine.request import Request
 from minillm.kvcache.prefix_cache import DROPPED, PrefixCache
 from minillm.kvcache.radix_cache import RadixCache
-from minillm.engine.request import Request
 
 PREFIX_CACHES = {"hash": PrefixCache, "radix": RadixCache}     # prefix_cache= -> its index
 

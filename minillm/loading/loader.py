@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .gguf_file import read_gguf
 from minillm.model.llama import Llama, ModelConfig
+from .gguf_file import read_gguf
 from .tokenizer import ChatTokenizer, tokenizer_from_gguf_metadata
 
 SMOLLM2 = {

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import prepacked
-from minillm.kernel_support.args import INTERPRETED
 from minillm.attention.backends import Run, choose_backend, make_backend
+from minillm.attention.paged import block_table_tensor, copy_blocks, gather_kv, store_kv_reference
+from minillm.kernel_support.args import INTERPRETED
+from . import prepacked
 from .layer import compiled_decode_layer, compiled_head, compiled_or_eager, decoder_layer, gemv, paged_decode_layer
 from .llama import Llama, ModelConfig
-from minillm.attention.paged import block_table_tensor, copy_blocks, gather_kv, store_kv_reference
 from .positions import RopeTable, apply_rope_complex
 from .transforms import gemv_blocks, is_fused
 

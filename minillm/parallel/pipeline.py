@@ -24,8 +24,8 @@ from dataclasses import replace
 import torch
 
 from minillm.model.llama import Llama
-from minillm.model.runner import PagedBatch, build_batch
 from minillm.model.positions import rope_cos_sin
+from minillm.model.runner import PagedBatch, build_batch
 from .comm import recv, send
 
 

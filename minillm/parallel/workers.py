@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from minillm.model.transforms import fuse_projections
 from minillm.model.llama import Llama
-from minillm.model.runner import ModelRunner, PagedKVCache
 from minillm.model.positions import RopeTable
+from minillm.model.runner import ModelRunner, PagedKVCache
+from minillm.model.transforms import fuse_projections
 from .comm import COUNTS, broadcast_object, reset_counts
 from .pipeline import pipeline_step, split_batch, stage_model
 from .tensor import shard_model

@@ -13,10 +13,10 @@ import math
 
 import torch
 
-from .timing import time_median
 from minillm.model.llama import ModelConfig
 from minillm.model.shapes import (SMOLLM2_135M, LLAMA2_7B, LLAMA2_13B, LLAMA2_70B, LLAMA3_8B, LLAMA3_70B, LLAMA31_70B,
                                   LLAMA32_1B, QWEN25_7B, QWEN3_8B, MISTRAL_7B, MISTRAL_7B_WINDOW, PUBLISHED)  # noqa: F401  (lessons count with them)
+from .timing import time_median
 
 # Published peak figures from NVIDIA's datasheets: dense bf16 Tensor Core FLOP/s (the sheets' larger
 # "with sparsity" figures are 2x these) and HBM bandwidth. A100 80GB SXM: 312 TFLOPS, HBM2e 2,039 GB/s;

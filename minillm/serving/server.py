@@ -38,10 +38,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minillm.engine.worker import Delta, EngineFailure, EngineWorker, QueueFull, _Sink
-from minillm.guided.api import ToolCallPlan, guided_from_fields
 from minillm.engine.request import Request
 from minillm.engine.sampling import SamplingParams
+from minillm.engine.worker import Delta, EngineFailure, EngineWorker, QueueFull, _Sink
+from minillm.guided.api import ToolCallPlan, guided_from_fields
 
 DISCONNECT_POLL_S = 0.25            # how often a handler checks that its client is still there
 MAX_BODY_BYTES = 1 << 20            # a chat that fills the context is a few tens of KiB of JSON

@@ -43,10 +43,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minillm.model.llama import Llama
-from minillm.model.runner import GROUP_COST_BLOCKS, ModelRunner, PagedKVCache, build_batch
-from minillm.model.positions import RopeTable
 from minillm.engine.sampling import SamplingParams, filtered_probs
+from minillm.model.llama import Llama
+from minillm.model.positions import RopeTable
+from minillm.model.runner import GROUP_COST_BLOCKS, ModelRunner, PagedKVCache, build_batch
 from minillm.model.transforms import fuse_projections, is_fused
 
 METHODS = ("draft", "layerskip", "ngram")

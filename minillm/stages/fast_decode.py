@@ -74,11 +74,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .kv_cache import KVCache, forward_cached
 from minillm.model.layer import compile_on_first_call, compiled_or_eager, rowwise_dot as _rowwise_dot
 from minillm.model.llama import Llama, attention_function, check_attention_backend
 from minillm.model.positions import RopeTable, apply_rope, apply_rope_complex
 from minillm.model.transforms import fuse_projections, is_fused  # noqa: F401  item 1: load-time transforms (pure), re-exported
+from .kv_cache import KVCache, forward_cached
 
 GEMV_MODES = ("auto", "compiled", "mv", "linear")
 KINDS = ("float", "packed", "baseline")       # what a FastDecoder runs: see FastDecoder

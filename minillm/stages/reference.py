@@ -16,10 +16,10 @@ from typing import Iterator
 
 import torch
 
+from minillm.engine.request import Request
+from minillm.model.positions import RopeTable
 from .fast_decode import FastDecoder
 from .kv_cache import KVCache, forward_cached
-from minillm.model.positions import RopeTable
-from minillm.engine.request import Request
 
 
 @torch.no_grad()

@@ -16,11 +16,11 @@ from typing import Iterator
 
 import torch
 
-from .fast_decode import FastDecoder
-from .kv_cache import KVCache, forward_cached
 from minillm.model.positions import RopeTable
 from minillm.speculative.core import (MAX_SPECULATIVE_TOKENS, ModelDraft, SpecStats, StepCostModel, check_args, estimate_alpha,
                                       make_draft, plan_draft_lengths, verify)
+from .fast_decode import FastDecoder
+from .kv_cache import KVCache, forward_cached
 
 
 class Stepper:

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from .kv_cache import KVCache, forward_cached
 from minillm.model.llama import Llama
+from .kv_cache import KVCache, forward_cached
 
 
 @torch.no_grad()

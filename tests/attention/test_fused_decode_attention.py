@@ -7,9 +7,9 @@ import torch
 
 from helpers import CharTokenizer, random_prompts, symbols_created
 from minillm import LLM, SamplingParams
-from minillm.model.llama import random_model, tiny_config
 from minillm.attention.backends import decode_attention_gathered, fused_decode_attention, make_backend
 from minillm.attention.paged import paged_attention_reference
+from minillm.model.llama import random_model, tiny_config
 
 
 def paged_case(lengths, num_heads, num_kv_heads, head_dim=16, block_size=4, dtype=torch.float32, seed=0):

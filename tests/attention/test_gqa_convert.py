@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from minillm.attention.gqa import convert_kv_heads, mean_pool_kv_heads
-from minillm.stages.kv_cache import KVCache, generate_greedy, generate_greedy_naive
 from minillm.model.llama import random_model, tiny_config
+from minillm.stages.kv_cache import KVCache, generate_greedy, generate_greedy_naive
 
 
 def test_mean_pool_groups_consecutive_heads():

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from minillm.course import figures
 from minillm.__main__ import main
+from minillm.course import figures
 from minillm.model.llama import random_model, tiny_config
 
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import SESSION_RECORDER
 
+from minillm.__main__ import main
 from minillm.course import labs
 from minillm.course.labs import pytest_plugin
-from minillm.__main__ import main
 
 REPO = Path(__file__).resolve().parents[2]
 BEGIN, END = "# BEGIN " + "SOLUTION", "# END " + "SOLUTION"      # never at the start of a line here

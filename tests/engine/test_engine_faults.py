@@ -14,10 +14,10 @@ if not torch.cuda.is_available():
 
 from helpers import CharTokenizer, random_prompts  # noqa: E402
 from minillm import LLM, SamplingParams  # noqa: E402
-from minillm.engine import engine as engine_module  # noqa: E402
-from minillm.stages import fast_decode  # noqa: E402
-from minillm.model.llama import random_model, tiny_config  # noqa: E402
 from minillm.attention.paged import paged_attention_split  # noqa: E402
+from minillm.engine import engine as engine_module  # noqa: E402
+from minillm.model.llama import random_model, tiny_config  # noqa: E402
+from minillm.stages import fast_decode  # noqa: E402
 
 
 def tiny_llm(max_model_len=128, num_kv_blocks=64, **kwargs):

@@ -1,12 +1,12 @@
 """The scheduler alone: plain Python, no model. Tokens 'sampled' here are fake (always 7)."""
 import pytest
 
-from minillm.kvcache.block_manager import BlockManager
+from minillm.course.calculators import chunked_prefill_steps
 from minillm.engine.outputs import RequestMetrics
 from minillm.engine.request import Request, RequestStatus
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.scheduler import Scheduler
-from minillm.course.calculators import chunked_prefill_steps
+from minillm.kvcache.block_manager import BlockManager
 
 
 def make_request(rid, prompt_len, max_tokens=4, first_token=100):

@@ -23,14 +23,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from minillm.kvcache.block_manager import BlockManager, OutOfBlocks
-from minillm.course.calculators import blocks_after_parallel_sampling, prefix_hit_tokens
 from minillm.attention.paged import (
                                      allocate_kv_cache, block_table_tensor, copy_blocks, gather_kv, paged_attention_reference,
                                      paged_attention_split, store_kv_reference,
                                      )
-from minillm.quant.kv_int8 import dequantize_kv, quantize_kv
+from minillm.course.calculators import blocks_after_parallel_sampling, prefix_hit_tokens
 from minillm.engine.request import Request
+from minillm.kvcache.block_manager import BlockManager, OutOfBlocks
+from minillm.quant.kv_int8 import dequantize_kv, quantize_kv
 
 
 def prompt(n, start=100):

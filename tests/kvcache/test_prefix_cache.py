@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from minillm.engine.request import Request
 from minillm.kvcache.block_manager import BlockManager, OutOfBlocks
 from minillm.kvcache.prefix_cache import ROOT_HASH, PrefixCache, chain_hashes, hash_block
-from minillm.engine.request import Request
 
 
 def admit(bm, request_id, tokens):

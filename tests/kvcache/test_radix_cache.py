@@ -11,10 +11,10 @@ import pytest
 from helpers import CharTokenizer, random_prompts
 from minillm import LLM, SamplingParams
 from minillm.__main__ import build_parser, main
-from minillm.kvcache.block_manager import BlockManager, OutOfBlocks
-from minillm.model.llama import random_model, tiny_config
-from minillm.kvcache.radix_cache import RadixCache
 from minillm.engine.request import Request
+from minillm.kvcache.block_manager import BlockManager, OutOfBlocks
+from minillm.kvcache.radix_cache import RadixCache
+from minillm.model.llama import random_model, tiny_config
 
 MODES = {"none": {}, "hash": dict(enable_prefix_caching=True),
          "radix": dict(enable_prefix_caching=True, prefix_cache="radix")}

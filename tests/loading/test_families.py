@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from minillm import LLM, SamplingParams
-from minillm.stages.fast_decode import FastDecoder
 from minillm.loading.loader import load_model, rotate_half_to_interleaved
 from minillm.model.positions import rope_frequencies
+from minillm.stages.fast_decode import FastDecoder
 
 transformers = pytest.importorskip("transformers")
 

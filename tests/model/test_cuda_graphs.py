@@ -19,15 +19,15 @@ import torch
 
 from helpers import CharTokenizer, alone, random_prompts
 from minillm import LLM, SamplingParams
-from minillm.model.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for
-from minillm.engine.engine import Engine
-from minillm.model.transforms import fuse_projections
-from minillm.kernel_support.args import INTERPRETED
-from minillm.model.llama import random_model, tiny_config
-from minillm.model.runner import ModelRunner, PagedKVCache, build_batch
-from minillm.model.positions import RopeTable
-from minillm.speculative.engine import EngineSpeculation
 from minillm.config import SpeculativeConfig
+from minillm.engine.engine import Engine
+from minillm.kernel_support.args import INTERPRETED
+from minillm.model.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for
+from minillm.model.llama import random_model, tiny_config
+from minillm.model.positions import RopeTable
+from minillm.model.runner import ModelRunner, PagedKVCache, build_batch
+from minillm.model.transforms import fuse_projections
+from minillm.speculative.engine import EngineSpeculation
 
 CUDA = torch.cuda.is_available()
 interpreter = pytest.mark.skipif(not INTERPRETED, reason="the Triton path on CPU needs TRITON_INTERPRET=1")

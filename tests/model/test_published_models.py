@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from minillm.perf import roofline
 from minillm.model.llama import published_model, random_model_on, tiny_config
+from minillm.perf import roofline
 
 
 @pytest.mark.parametrize("name, billions", [("llama2-7b", 6.74), ("llama3-8b", 8.03), ("llama3.2-1b", 1.24)])

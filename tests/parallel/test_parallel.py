@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minillm.course.calculators import bubble_fraction
 from minillm.model.llama import random_model, tiny_config
 from minillm.parallel.launch import launch
 from minillm.parallel.pipeline import check_pp_size, stage_bounds
-from minillm.course.calculators import bubble_fraction
 from minillm.parallel.tensor import RowParallelLinear, allowed_tp_sizes, check_tp_size, shard_model
 
 # 3 KV heads so that 3 ranks get one each; a vocabulary of 250 is not a multiple of 3 (padding)

@@ -19,10 +19,10 @@ import torch
 
 from helpers import CharTokenizer, count_calls
 from minillm import LLM, SamplingParams
-from minillm.stages.kv_cache import generate_greedy
 from minillm.model.llama import random_model, tiny_config
 from minillm.quant import cpu_kernels, int4, int8, load_quantized, quantize_model, save_quantized
 from minillm.quant.linear import QuantLinear
+from minillm.stages.kv_cache import generate_greedy
 
 KERNELS = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu")
 IN, OUT = 320, 80     # 320 = 2.5 x 128: group 128 runs as kernel group 64; 80 rows = a 64-row block + 16

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from minillm.model.llama import random_model, tiny_config
+from minillm.model.positions import rope_cos_sin
 from minillm.quant import calibration_windows, int4, quantize_model, save_quantized, load_quantized
 from minillm.quant.gptq import HessianAccumulator, gptq_quantize
 from minillm.quant.linear import QuantLinear
 from minillm.quant.sequential import SUBLAYER_GROUPS, capture_inputs
-from minillm.model.positions import rope_cos_sin
 
 
 def _layer_problem(out_f=48, in_f=160, n=600, seed=0, dtype=torch.float64):

@@ -12,9 +12,9 @@ import torch.nn as nn
 
 import minillm.quant as quant
 from minillm import LLM, SamplingParams
-from minillm.stages.kv_cache import generate_greedy_naive
 from minillm.quant.linear import QuantLinear
 from minillm.speculative.core import layer_subset
+from minillm.stages.kv_cache import generate_greedy_naive
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,"]
 N_TOKENS = 4

@@ -6,18 +6,18 @@ import pytest
 import torch
 
 from helpers import CharTokenizer, chi2_pvalue
-from minillm.config import EngineConfig
-from minillm.stages.fast_decode import FastDecoder
 from minillm import LLM, SamplingParams
+from minillm.config import EngineConfig
+from minillm.course.calculators import best_k, expected_speedup
 from minillm.engine.output_processor import OutputProcessor
-from minillm.stages.reference import stream_contiguous
-from minillm.model.llama import random_model, tiny_config
 from minillm.engine.sampling import filtered_probs
+from minillm.model.llama import random_model, tiny_config
+from minillm.perf.roofline import expected_tokens_per_call
 from minillm.speculative.core import (METHODS, DraftPool, ModelDraft, NgramDraft, SpecStats, acceptance_probability,
                                       check_args, default_skipped_layers, greedy_verify, layer_subset, make_draft,
                                       rejection_sample, verify)
-from minillm.perf.roofline import expected_tokens_per_call
-from minillm.course.calculators import best_k, expected_speedup
+from minillm.stages.fast_decode import FastDecoder
+from minillm.stages.reference import stream_contiguous
 from minillm.stages.speculative_loop import Stepper, speculative_stream
 
 V = 10                                 # small vocabulary for the statistical tests

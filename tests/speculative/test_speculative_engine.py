@@ -10,9 +10,9 @@ import torch
 
 from helpers import TEACHING_STAGES, CharTokenizer, chi2_pvalue, modules_entered, random_prompts
 from minillm import LLM, SamplingParams
+from minillm.course.calculators import crossover_batch, roofline_speedup
 from minillm.model.llama import random_model, tiny_config
 from minillm.speculative.core import StepCostModel, plan_draft_lengths
-from minillm.course.calculators import crossover_batch, roofline_speedup
 
 LENGTHS = [1, 5, 17, 33, 64, 100, 3, 40]
 MAX_TOKENS = [5, 20, 1, 33, 12, 8, 40, 16]

@@ -6,11 +6,11 @@ import torch
 import torch.nn as nn
 
 from minillm import SamplingParams
+from minillm.model.llama import ATTENTION_BACKENDS, random_model, tiny_config
+from minillm.model.positions import RopeTable
 from minillm.stages import fast_decode
 from minillm.stages.fast_decode import FastDecoder, fuse_projections, generate_greedy_fast, is_fused
 from minillm.stages.kv_cache import KVCache, forward_cached, generate_greedy_naive
-from minillm.model.llama import ATTENTION_BACKENDS, random_model, tiny_config
-from minillm.model.positions import RopeTable
 from helpers import greedy_under_naive_forward
 
 

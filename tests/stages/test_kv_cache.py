@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from minillm.stages.kv_cache import KVCache, forward_cached, generate_greedy, generate_greedy_naive
 from minillm.course.calculators import kv_cache_bytes, positions_computed, mla_kv_cache_bytes
 from minillm.model.llama import random_model, tiny_config
 from minillm.model.shapes import SMOLLM2_135M
+from minillm.stages.kv_cache import KVCache, forward_cached, generate_greedy, generate_greedy_naive
 
 
 def test_tiny_128_tokens_identical_to_naive(tiny_model):

@@ -4,8 +4,8 @@ batch, and its counters say what the padding cost."""
 import pytest
 
 from minillm import SamplingParams
-from minillm.stages.static_batching import generate_static
 from minillm.course.calculators import padding_fraction
+from minillm.stages.static_batching import generate_static
 
 TEXTS = ["The capital of France is",
          "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from minillm.perf import roofline
 from minillm.model.llama import random_model_on
+from minillm.perf import roofline
 from .common import document
 from .gpu_engine import IdsTokenizer, hf_twin
 

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from minillm.evaluate import perplexity
 from minillm.attention.gqa import convert_kv_heads
-from minillm.stages.kv_cache import KVCache
 from minillm.course.calculators import kv_cache_bytes
+from minillm.evaluate import perplexity
 from minillm.model.llama import ModelConfig
 from minillm.model.shapes import SMOLLM2_135M
+from minillm.stages.kv_cache import KVCache
 from .common import document
 
 NAME = "gqa"

@@ -18,9 +18,9 @@ import time
 
 import torch
 
+from minillm.course.calculators import kv_cache_bytes
 from minillm.perf import roofline
 from minillm.stages.kv_cache import KVCache, forward_cached, generate_greedy, generate_greedy_naive
-from minillm.course.calculators import kv_cache_bytes
 from .common import document, figure_path, time_median
 
 NAME = "kv-cache"

@@ -35,10 +35,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minillm.kvcache.block_manager import BlockManager
-from minillm.course.calculators import kv_cache_bytes
 from minillm.attention.paged import block_table_tensor
+from minillm.course.calculators import kv_cache_bytes
 from minillm.engine.request import Request as EngineRequest
+from minillm.kvcache.block_manager import BlockManager
 from .common import document
 
 NAME = "paged"

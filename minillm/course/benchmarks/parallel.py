@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from minillm.course.calculators import bubble_fraction
 from minillm.model.llama import random_model, tiny_config
 from minillm.parallel.calculator import pp_bytes_per_token, table, tensor_parallel_step, tp_bytes_per_token
 from minillm.parallel.launch import launch
-from minillm.course.calculators import bubble_fraction
 from minillm.perf.roofline import LLAMA3_70B
 from .common import document
 

@@ -14,10 +14,10 @@ import time
 
 import torch
 
+from minillm.loading.loader import load_model
 from minillm.perf import roofline
 from minillm.stages.fast_decode import FastDecoder, fuse_projections, linear
 from minillm.stages.kv_cache import generate_greedy_naive
-from minillm.loading.loader import load_model
 from .common import document, time_median
 
 NAME = "roofline"

@@ -22,16 +22,16 @@ import time
 
 import torch
 
-from . import common
-from minillm.stages.kv_cache import generate_greedy
-from minillm.model.llama import Llama
-from minillm.stages.reference import stream_contiguous
-from minillm.engine.sampling import SamplingParams
-from minillm.stages.fast_decode import FastDecoder
-from minillm.speculative.core import METHODS, SpecStats, bf16_copy, default_skipped_layers, layer_subset, make_draft
-from minillm.perf.roofline import expected_tokens_per_call
 from minillm.course.calculators import expected_speedup
+from minillm.engine.sampling import SamplingParams
+from minillm.model.llama import Llama
+from minillm.perf.roofline import expected_tokens_per_call
+from minillm.speculative.core import METHODS, SpecStats, bf16_copy, default_skipped_layers, layer_subset, make_draft
+from minillm.stages.fast_decode import FastDecoder
+from minillm.stages.kv_cache import generate_greedy
+from minillm.stages.reference import stream_contiguous
 from minillm.stages.speculative_loop import Stepper, speculative_stream
+from . import common
 
 NAME = "speculative"
 

@@ -1,8 +1,8 @@
 """Lab kv_cache: KVCache.write on its own (the rest of the lab is graded by tests/stages/test_kv_cache.py)."""
 import torch
 
-from minillm.stages.kv_cache import KVCache
 from minillm.model.llama import tiny_config
+from minillm.stages.kv_cache import KVCache
 
 
 def _kv(B, T, seed):
