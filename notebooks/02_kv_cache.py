@@ -11,9 +11,9 @@ import time
 import torch
 import matplotlib.pyplot as plt
 from minillm.loading.loader import load_model
-from minillm.stages.kv_cache import KVCache, forward_cached, generate_greedy, generate_greedy_naive
+from minillm.stages.kv_cache import (KVCache, forward_cached, generate_greedy, generate_greedy_naive, prefill_decode,
+                                     step_latency)
 from minillm.course.calculators import kv_cache_bytes
-from minillm.perf import roofline
 from minillm.perf.timing import time_median
 from minillm.course.notebook import start
 device, QUICK = start()                        # cuda when present; prints the machine
@@ -90,22 +90,6 @@ print(tok.decode(cached))
 # [^gpu-gen]: counted by minillm.perf.roofline: generation_seconds(LLAMA3_8B, "H100 SXM", 2, 16, 256, use_cache=False) / generation_seconds(LLAMA3_8B, "H100 SXM", 2, 16, 256); generation_seconds(LLAMA3_8B, "H100 SXM", 2, 16, 4096, use_cache=False) / generation_seconds(LLAMA3_8B, "H100 SXM", 2, 16, 4096)
 
 # %%
-def random_ids(shape, seed):                   # token ids in [3, vocab) on the model's device
-    return torch.randint(3, model.cfg.vocab_size, shape, generator=torch.Generator().manual_seed(seed)).to(device)
-
-def step_latency(model, position, cached):
-    """Seconds for the token at `position`: one forward over all position + 1 tokens, or one cached step."""
-    ids = random_ids((1, position + 1), seed=0)
-    if not cached:
-        return time_median(lambda: model(ids), repeats=3, device=device)
-    cache = KVCache(model.cfg, 1, position + 1, model.embed.weight.dtype, device=device)
-    forward_cached(model, ids[:, :position], cache)          # the earlier tokens, once
-
-    def one_step():
-        forward_cached(model, ids[:, position:], cache)      # the new token reads the cache
-        cache.truncate(cache.lengths - 1)                    # and is forgotten: every repeat is the same step
-    return time_median(one_step, repeats=5, device=device)
-
 positions = [16, 64] if QUICK else ([32, 128, 512, 2048, 4096] if device == "cuda" else [32, 128, 256, 512, 1024])
 no_cache = [1e3 * step_latency(model, p, cached=False) for p in positions]
 cache = [1e3 * step_latency(model, p, cached=True) for p in positions]
@@ -138,29 +122,6 @@ del c
 # bandwidth, and batching decodes is how to use the idle FLOPs.
 
 # %%
-def prefill_decode(model, batch, prompt_len, decode_steps):
-    """Prefill of batch x prompt_len tokens, then decode steps of one token per sequence: tokens/s, and what
-    each reaches of the machine (prefill: FLOP/s; decode: bytes of weights and cache read per second)."""
-    cfg, dtype = model.cfg, model.embed.weight.dtype
-    ids = random_ids((batch, prompt_len), seed=1)
-    t_prefill = time_median(lambda: forward_cached(model, ids, KVCache(cfg, batch, prompt_len + 1, dtype, device=device)),
-                            repeats=3, device=device)
-    cache = KVCache(cfg, batch, prompt_len + decode_steps, dtype, device=device)
-    forward_cached(model, ids, cache)
-    nxt = ids[:, -1:]
-
-    def decode():
-        for _ in range(decode_steps):
-            forward_cached(model, nxt, cache)
-        cache.truncate(cache.lengths - decode_steps)
-    t_decode = time_median(decode, repeats=3, device=device) / decode_steps
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return {"batch": batch, "prompt_len": prompt_len, "prefill_tok_s": batch * prompt_len / t_prefill,
-            "prefill_GFLOPs": batch * prompt_len * roofline.decode_flops_per_token(cfg, prompt_len // 2) / t_prefill / 1e9,
-            "decode_tok_s": batch / t_decode,
-            "decode_GBps": roofline.decode_bytes_per_step(cfg, elem, prompt_len, batch) / t_decode / 1e9,
-            "decode_GFLOPs": batch * roofline.decode_flops_per_token(cfg, prompt_len) / t_decode / 1e9}
-
 shapes = [(1, 64), (8, 64)] if QUICK else [(1, 128), (1, 512), (1, 2048), (16, 128), (16, 512)] + ([(64, 512), (256, 512)] if device == "cuda" else [])
 rows = [prefill_decode(model, b, L, 4 if QUICK else 16) for b, L in shapes]
 for r in rows:

@@ -7,13 +7,13 @@ from __future__ import annotations
 from minillm.engine.request import Request
 from minillm.kvcache.block_manager import BlockManager
 from minillm.model.llama import ModelConfig
-from minillm.perf.roofline import expected_tokens_per_call
+from minillm.perf.roofline import expected_tokens_per_call, weight_bytes
 from minillm.speculative.core import MAX_SPECULATIVE_TOKENS
 
 
 def weight_bytes_of(name: str, bytes_per_param: float) -> float:
-    """Every parameter of a published shape (minillm/model/shapes.py) at bytes_per_param bytes each."""
-    return ModelConfig.named(name).num_parameters() * bytes_per_param
+    """roofline.weight_bytes of a published shape by name (minillm/model/shapes.py)."""
+    return weight_bytes(ModelConfig.named(name), bytes_per_param)
 
 
 # Lesson 02: what a KV cache holds and saves

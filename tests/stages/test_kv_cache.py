@@ -96,7 +96,7 @@ def test_positions_computed_counts_what_the_generate_loops_feed(tiny_model, prom
 def test_step_timings_run_in_the_models_dtype_and_device():
     """bench kv-cache's per-step timings build their ids and cache where the model lives (notebook 02 on
     the H200 fed CPU ids to a CUDA model); a bf16 model needs a bf16 cache."""
-    from minillm.course.benchmarks.kv_cache import prefill_decode, step_latency
+    from minillm.stages.kv_cache import prefill_decode, step_latency
     model = random_model(tiny_config(), seed=0).to(torch.bfloat16)
     assert step_latency(model, 8, cached=True) > 0 and step_latency(model, 8, cached=False) > 0
     row = prefill_decode(model, batch=2, prompt_len=8, decode_steps=2)

@@ -20,7 +20,7 @@ import torch
 
 from minillm.course.calculators import kv_cache_bytes
 from minillm.perf import roofline
-from minillm.stages.kv_cache import KVCache, forward_cached, generate_greedy, generate_greedy_naive
+from minillm.stages.kv_cache import KVCache, generate_greedy, generate_greedy_naive, prefill_decode, step_latency
 from .common import document, figure_path, time_median
 
 NAME = "kv-cache"
@@ -39,54 +39,6 @@ def _plot(rows, path):
     plt.xlabel("position of the new token"); plt.ylabel("ms per token")
     plt.title("SmolLM2-135M fp32, batch 1"); plt.legend(); plt.tight_layout()
     plt.savefig(path, dpi=120); plt.close()
-
-
-def _random_ids(model, shape: tuple[int, int], seed: int) -> torch.Tensor:
-    """Token ids in [3, vocab) on the model's device (a GPU run feeds a CUDA model)."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, model.cfg.vocab_size, shape, generator=gen).to(model.embed.weight.device)
-
-
-def step_latency(model, position: int, cached: bool) -> float:
-    """Seconds for the token at `position`: one forward of position+1 tokens, or one cached step
-    (on the model's device; a GPU is synchronised before each clock read)."""
-    device = model.embed.weight.device
-    ids = _random_ids(model, (1, position + 1), seed=0)                  # (1, position+1)
-    if not cached:
-        return time_median(lambda: model(ids), repeats=3, device=device)
-    cache = KVCache(model.cfg, 1, position + 1, model.embed.weight.dtype, device=device)
-    forward_cached(model, ids[:, :position], cache)
-
-    def one_step():
-        forward_cached(model, ids[:, position:], cache)
-        cache.truncate(cache.lengths - 1)
-    return time_median(one_step, repeats=5, device=device)
-
-
-def prefill_decode(model, batch: int, prompt_len: int, decode_steps: int) -> dict:
-    cfg = model.cfg
-    dtype, device = model.embed.weight.dtype, model.embed.weight.device
-    elem = torch.tensor([], dtype=dtype).element_size()
-    ids = _random_ids(model, (batch, prompt_len), seed=1)               # (batch, prompt_len)
-
-    def prefill():
-        forward_cached(model, ids, KVCache(cfg, batch, prompt_len + 1, dtype, device=device))
-    t_prefill = time_median(prefill, repeats=3, device=device)
-    cache = KVCache(cfg, batch, prompt_len + decode_steps, dtype, device=device)
-    forward_cached(model, ids, cache)
-    nxt = ids[:, -1:]
-
-    def decode():
-        for _ in range(decode_steps):
-            forward_cached(model, nxt, cache)
-        cache.truncate(cache.lengths - decode_steps)
-    t_decode = time_median(decode, repeats=3, device=device) / decode_steps
-    prefill_flops = batch * prompt_len * roofline.decode_flops_per_token(cfg, prompt_len // 2)
-    decode_bytes = roofline.decode_bytes_per_step(cfg, elem, prompt_len, batch)
-    return {"batch": batch, "prompt_len": prompt_len,
-            "prefill_tok_s": batch * prompt_len / t_prefill, "prefill_GFLOPs": prefill_flops / t_prefill / 1e9,
-            "decode_tok_s": batch / t_decode, "decode_GBps": decode_bytes / t_decode / 1e9,
-            "decode_GFLOPs": batch * roofline.decode_flops_per_token(cfg, prompt_len) / t_decode / 1e9}
 
 
 def dense_hf_model(dtype: torch.dtype):
