@@ -14,10 +14,9 @@ import matplotlib.pyplot as plt
 from minillm.perf import roofline
 from minillm.loading.loader import load_model
 from minillm.stages.kv_cache import generate_greedy_naive
-from minillm.stages.fast_decode import generate_greedy_fast
-from minillm.course.benchmarks.common import time_median
+from minillm.stages.fast_decode import generate_greedy_fast, weights_only_step
+from minillm.perf.timing import time_median
 from minillm.course.notebook import start
-from minillm.course.benchmarks.roofline import weights_only_step
 
 device, QUICK = start()                        # cuda when present; prints the machine
 

@@ -26,8 +26,9 @@ ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "minillm").is_d
 sys.path.insert(0, str(ROOT))
 
 import matplotlib.pyplot as plt
-from minillm.course.benchmarks import flash_attention as bench
+from minillm.course.calculators import hbm_bytes
 from minillm.course.notebook import start
+from minillm.perf.memory import peak_rss_growth, saved_for_backward_bytes
 from minillm.attention.flash import flash_attention, flash_attention_torch, naive_attention_in_dtype, naive_attention_in_dtype_lse
 from kernels.flash_attention import triton_flash_attention_forward
 
@@ -145,8 +146,16 @@ for n in sizes:
             torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
             fn(); torch.cuda.synchronize()
             peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
-    else:
-        peaks = {name: bench.measure_cpu(name, n, 1, 64, repeats=1)["peak_bytes"] / 2**20 for name in ("naive", "tiled")}
+    else:                                      # each call in a fresh process: see minillm/perf/memory.py
+        calls = {"naive": "naive_attention_in_dtype(q, k, v, causal=True)",
+                 "tiled": "flash_attention_torch(q, k, v, causal=True, block_m=256, block_n=256)"}
+        peaks = {}
+        for name, call in calls.items():
+            setup = "\n".join(["import torch",
+                               "from minillm.attention.flash import flash_attention_torch, naive_attention_in_dtype",
+                               "q, k, v = (torch.randn(1, 1, 64, 64) for _ in range(3))", call,   # warm-up
+                               f"q, k, v = (torch.randn(1, 1, {n}, 64) for _ in range(3))"])
+            peaks[name] = peak_rss_growth(setup, call)["peak_bytes"] / 2**20
     live.append((n, peaks["naive"], peaks["tiled"]))
     print(f"N={n:6}  naive {peaks['naive']:8.2f} MiB   tiled {peaks['tiled']:6.2f} MiB   one N x N fp32 matrix {n*n*4/2**20:8.2f} MiB")
 
@@ -180,7 +189,7 @@ ax.legend(fontsize=8); plt.show()
 # %%
 print(f"{'N':>6} {'S matrix MiB':>13} {'naive MiB':>10} {'flash MiB':>10} {'ratio':>6} {'flash causal':>13} {'ratio':>6}")
 for n in (1024, 2048, 4096, 8192, 16384):
-    full, causal = bench.hbm_bytes(n, 64, causal=False), bench.hbm_bytes(n, 64, causal=True)
+    full, causal = hbm_bytes(n, 64, causal=False), hbm_bytes(n, 64, causal=True)
     print(f"{n:6} {full['score_matrix_bytes']/2**20:13.0f} {full['naive_bytes']/2**20:10.1f} {full['flash_bytes']/2**20:10.1f} "
           f"{full['naive_bytes']/full['flash_bytes']:6.2f} {causal['flash_bytes']/2**20:13.1f} {causal['naive_bytes']/causal['flash_bytes']:6.2f}")
 
@@ -210,8 +219,9 @@ for name, g, r in zip("qkv", grads, ref):
     print(f"d{name}: max |flash - autograd(naive)| = {(g - r).abs().max().item():.2e}")
 
 n_saved = 1024 if QUICK else 4096
-naive_b = bench.saved_for_backward_bytes("naive", n_saved, 1, 64)
-flash_b = bench.saved_for_backward_bytes("flash", n_saved, 1, 64)
+qkv = [torch.randn(1, 1, n_saved, 64, requires_grad=True) for _ in range(3)]
+naive_b = saved_for_backward_bytes(lambda q, k, v: naive_attention_in_dtype(q, k, v, causal=True), *qkv)
+flash_b = saved_for_backward_bytes(lambda q, k, v: flash_attention(q, k, v, causal=True, backend="torch"), *qkv)
 print(f"N={n_saved}: autograd keeps {naive_b/2**20:.1f} MiB for naive (P is N x N) vs {flash_b/2**20:.2f} MiB for flash")
 
 # %% [markdown]
@@ -219,14 +229,14 @@ print(f"N={n_saved}: autograd keeps {naive_b/2**20:.1f} MiB for naive (P is N x 
 #
 # TFLOP/s (4 * B * H * N^2 * D, halved when causal) of naive attention, PyTorch SDPA's flash backend
 # and our Triton kernel, timed with CUDA events around each call after an L2 flush
-# (`minillm/course/benchmarks/kernel_timing.py`); from N = 4096 also the backward against SDPA's. On a CPU
+# (`minillm/perf/kernel_timing.py`); from N = 4096 also the backward against SDPA's. On a CPU
 # this section only reports what the committed JSON holds.
 
 # %%
 if device == "cuda":
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from minillm.course.benchmarks.flash_attention import backward_row
-    from minillm.course.benchmarks.kernel_timing import time_kernel      # CUDA events, L2 flushed: the kernel, not the launch
+    from minillm.attention.flash import time_triton_backward
+    from minillm.perf.kernel_timing import time_kernel      # CUDA events, L2 flushed: the kernel, not the launch
 
     def sdpa(q, k, v, causal):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -242,7 +252,7 @@ if device == "cuda":
             line.append(f"{name} {flops / time_kernel(fn, samples=10, warmup=3)['median_s'] / 1e12:6.1f}")
         print(f"N={n:6} causal bf16 D=64 forward TFLOP/s: " + "  ".join(line))
         if n >= 4096:
-            r = backward_row(q, k, v, True, sdpa)
+            r = time_triton_backward(q, k, v, True, sdpa)
             print(f"         backward ms: sdpa flash {r['sdpa_flash_backward_ms']:.3f}  triton {r['triton_backward_ms']:.3f}"
                   f"  (triton at {r['backward_fraction_of_sdpa']:.2f}x of sdpa's speed)")
 else:

@@ -72,19 +72,20 @@ print("after freeing everything, free blocks:", bm.num_free_blocks)
 # %% [markdown]
 # ## 2. How much reserved KV memory holds real tokens?
 #
-# The benchmark serves a long-tailed request trace from a fixed KV budget under four policies (the vLLM paper's
-# baselines). Contiguous reservation wastes what a request never fills; paging wastes at most a partial block.
+# The simulation (`minillm/stages/kv_allocation.py`) serves a long-tailed request trace from a fixed KV budget
+# under four policies (the vLLM paper's baselines). Contiguous reservation wastes what a request never fills;
+# paging wastes at most a partial block.
 
 # %%
-from minillm.course.benchmarks import paged as pb
-reqs = pb.make_workload(300 if QUICK else 2000, 2048)
+from minillm.stages.kv_allocation import ContiguousPolicy, PagedPolicy, make_workload, simulate
+reqs = make_workload(300 if QUICK else 2000, 2048)
 budget = 16384 if QUICK else 32768
 rows = {}
-for name, policy in {"contiguous-max": pb.ContiguousPolicy("max", budget, 2048),
-                     "contiguous-pow2": pb.ContiguousPolicy("pow2", budget, 2048),
-                     "contiguous-oracle": pb.ContiguousPolicy("oracle", budget, 2048),
-                     "paged": pb.PagedPolicy(budget, 16)}.items():
-    sim = pb.simulate(policy, pb.make_workload(len(reqs), 2048))
+for name, policy in {"contiguous-max": ContiguousPolicy("max", budget, 2048),
+                     "contiguous-pow2": ContiguousPolicy("pow2", budget, 2048),
+                     "contiguous-oracle": ContiguousPolicy("oracle", budget, 2048),
+                     "paged": PagedPolicy(budget, 16)}.items():
+    sim = simulate(policy, make_workload(len(reqs), 2048))
     rows[name] = sim
     print(f"{name:18s} KV utilisation {sim['kv_utilization']:6.1%}   mean running sequences {sim['mean_running']:6.1f}")
 plt.figure(figsize=(6, 3)); plt.bar(list(rows), [100 * r["kv_utilization"] for r in rows.values()])

@@ -27,7 +27,7 @@ call 1, 300 s for call 2), so the two calls and the machine's start fit one 15-m
 Back here: `python tools/gpu_check.py unpack DIR` puts DIR's notebooks into notebooks/ and its JSON
 files into results/gpu/.
 
-Every kernel is timed by minillm/course/benchmarks/kernel_timing.py (CUDA events, L2 flushed before each
+Every kernel is timed by minillm/perf/kernel_timing.py (CUDA events, L2 flushed before each
 sample; each JSON row names its method). The files it writes are *-kernel.json; the older
 *-gpu.json files were timed with perf_counter around single calls (the launch, not the kernel) and
 stay only as the example lesson 04 explains.
@@ -51,7 +51,7 @@ OUT = Path(os.environ.get("OUT", ROOT / "results" / "gpu"))
 KEEP = Path("/tmp/minillm-gpu")              # survives between the two calls while the machine is warm
 NOTEBOOK_ORDER = ["01", "02", "05", "06", "07", "04", "03", "08", "09", "12", "10", "11"]   # GPU-heavy first
 KERNEL_TESTS = ["tests/attention/test_flash_attention.py", "tests/attention/test_flash_attention_backward.py",
-                "tests/attention/test_paged_attention.py", "tests/quant/test_quant_w4a16.py", "tests/course/test_kernel_timing.py",
+                "tests/attention/test_paged_attention.py", "tests/quant/test_quant_w4a16.py", "tests/perf/test_kernel_timing.py",
                 "tests/model/test_published_models.py"]
 ENGINE_TESTS = ["tests/engine/test_engine_cuda.py", "tests/model/test_cuda_graphs.py"]
 

@@ -271,3 +271,31 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None,
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return FlashAttentionFunction.apply(q, k, v, causal, sm_scale, backend)
 
+
+
+# ----------------------------------------------------------------------------- the backward, timed
+
+def time_triton_backward(q, k, v, causal: bool, reference, samples: int = 10) -> dict:
+    """The Triton backward (from the Triton forward's o and lse) against autograd through `reference`
+    (q, k, v, causal) -> o, its graph built once and kept: ms each, the fraction (reference's time over
+    ours) and the largest gradient difference. Same q, k, v and dO for both; lesson 05 reports it on
+    a GPU against SDPA's flash backend."""
+    from kernels.flash_attention import triton_flash_attention_forward
+    from kernels.flash_attention_backward import triton_flash_attention_backward
+    from minillm.perf.kernel_timing import time_kernel
+
+    device = q.device
+    do = torch.randn_like(q)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = reference(*leaves, causal)
+    ref = torch.autograd.grad(out, leaves, do, retain_graph=True)
+    o, lse = triton_flash_attention_forward(q, k, v, causal)
+    got = triton_flash_attention_backward(q, k, v, o, lse, do, causal)       # tunes on its first call
+    ref_t = time_kernel(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), device=device,
+                        samples=samples, warmup=3)
+    triton_t = time_kernel(lambda: triton_flash_attention_backward(q, k, v, o, lse, do, causal), device=device,
+                           samples=samples, warmup=3)
+    return {"sdpa_flash_backward_ms": 1e3 * ref_t["median_s"], "triton_backward_ms": 1e3 * triton_t["median_s"],
+            "backward_fraction_of_sdpa": ref_t["median_s"] / triton_t["median_s"],
+            "backward_max_grad_diff": max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref)),
+            "backward_timing": triton_t["method"]}

@@ -4,6 +4,8 @@ engine's modules: none of these runs while serving. Each is tested against the c
 """
 from __future__ import annotations
 
+import math
+
 from minillm.engine.request import Request
 from minillm.kvcache.block_manager import BlockManager
 from minillm.model.llama import ModelConfig
@@ -129,3 +131,23 @@ def crossover_batch(alpha: float, k: int, ridge_tokens: float) -> float:
 def bubble_fraction(p: int, m: int) -> float:
     """GPipe's idle share of the wall time for p equal stages and m micro-batches."""
     return (p - 1) / (m + p - 1)
+
+
+# Lesson 05: HBM traffic of attention, naive against flash
+FLASH_BLOCK_M_CUDA = 128   # the Triton kernel's default query tile on CUDA (kernels/flash_attention.py)
+
+
+def hbm_bytes(n: int, head_dim: int, causal: bool, dtype_bytes: int = 2, block_m: int = FLASH_BLOCK_M_CUDA) -> dict:
+    """Bytes moved between HBM and the chip for one (batch, head) of attention, N queries = N keys.
+
+    naive (the article's three kernels):  S = QK^T reads Q, K and writes S; softmax reads S and
+    writes P; O = PV reads P, V and writes O: 4*N*D + 4*N^2 elements.
+    flash: Q read once, O written once, the fp32 LSE written once; every query tile reads the
+    K and V tiles it needs (all N keys, or up to its diagonal when causal) exactly once.
+    """
+    nd = n * head_dim
+    naive = (4 * nd + 4 * n * n) * dtype_bytes
+    tiles = math.ceil(n / block_m)
+    keys_read = sum(min(n, (i + 1) * block_m) for i in range(tiles)) if causal else tiles * n
+    flash = (2 * nd + 2 * keys_read * head_dim) * dtype_bytes + 4 * n
+    return {"naive_bytes": naive, "flash_bytes": flash, "score_matrix_bytes": n * n * dtype_bytes}

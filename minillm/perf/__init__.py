@@ -1,1 +1,2 @@
-"""Performance models and timers: the roofline and its calculators, and median timing."""
+"""Performance models and timers: the roofline and its calculators, median wall-clock timing, GPU kernel
+timing (CUDA events), and memory measurement."""

@@ -166,6 +166,20 @@ def linear(module: nn.Module, x: torch.Tensor, gemv=torch.mv) -> torch.Tensor:
     return module(x)
 
 
+def weights_only_step(model) -> None:
+    """One token's worth of weight traffic and nothing else: every linear as the library's GEMV
+    (torch.mv, see linear above) + the LM head: what the BLAS kernels deliver for decode's
+    shapes (lesson 02's compiled GEMV can beat it where the BLAS GEMV is slow)."""
+    x = torch.randn(1, model.cfg.dim, dtype=model.embed.weight.dtype)
+    for layer in model.layers:
+        for lin in (layer.attn.wq, layer.attn.wk, layer.attn.wv, layer.attn.wo):
+            linear(lin, x if lin.in_features == x.shape[-1] else x.new_zeros(1, lin.in_features))
+        g = linear(layer.ffn.w_gate, x)
+        linear(layer.ffn.w_up, x)
+        linear(layer.ffn.w_down, g)
+    torch.mv(model.embed.weight, x[0])
+
+
 def lm_head(model: Llama, h: torch.Tensor, gemv=torch.mv) -> torch.Tensor:
     """model.logits(h), with the one-row case through a tied head as gemv (the LM head is the largest
     matrix); gemv None: model.logits(h)."""

@@ -148,15 +148,15 @@ def test_triton_backward_cuda(dtype, shape, causal):
     assert_grads_match_naive(grads, q, k, v, do, causal)
 
 
-def test_gpu_benchmark_backward_row_runs_on_a_small_shape():
-    """The GPU benchmark's backward comparison, with naive attention standing in for SDPA's flash backend:
-    the Triton gradients agree with it (seconds are meaningless under the interpreter)."""
-    from minillm.course.benchmarks.flash_attention import backward_row
+def test_time_triton_backward_runs_on_a_small_shape():
+    """The backward comparison the GPU benchmark and notebook 05 run, with naive attention standing in for
+    SDPA's flash backend: the Triton gradients agree with it (seconds are meaningless under the interpreter)."""
+    from minillm.attention.flash import time_triton_backward
 
     if torch.cuda.is_available():
         pytest.skip("on CUDA the GPU check runs the real comparison")
     q, k, v, _ = make_inputs(1, 2, 2, 48, 48, 16)
-    row = backward_row(q, k, v, True, naive_attention_in_dtype, samples=1)
+    row = time_triton_backward(q, k, v, True, naive_attention_in_dtype, samples=1)
     assert row["sdpa_flash_backward_ms"] > 0 and row["triton_backward_ms"] > 0
     assert row["backward_max_grad_diff"] < 1e-4 and row["backward_timing"].startswith("perf_counter")
 

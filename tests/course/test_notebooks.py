@@ -183,12 +183,8 @@ def test_produced_on_refuses_a_notebook_without_the_machine_line(tmp_path):
         notebook.produced_on(tmp_path / "x.ipynb")
 
 
-# Notebooks that still reach into minillm.course.benchmarks (issue 44 moves them to the public API and the module
-# each teaches, then re-executes them); the list only shrinks: a notebook off it may not import a benchmark again.
-STILL_READING_BENCHMARKS = {"01", "05", "06"}
-
-
 def test_notebooks_build_on_the_library_not_on_benchmark_internals():
-    reading = {p.name[:2] for p in SCRIPTS if re.search(r"minillm\.course\.benchmarks|minillm\.course import benchmarks",
-                                                         p.read_text(encoding="utf-8"))}
-    assert reading == STILL_READING_BENCHMARKS, (reading - STILL_READING_BENCHMARKS, STILL_READING_BENCHMARKS - reading)
+    """A notebook shows its idea with the public API and the module it teaches, never a benchmark's helpers."""
+    reading = [p.name for p in SCRIPTS if re.search(r"minillm\.course\.benchmarks|minillm\.course import benchmarks",
+                                                    p.read_text(encoding="utf-8"))]
+    assert reading == []

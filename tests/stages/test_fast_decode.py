@@ -11,7 +11,7 @@ from minillm.model.positions import RopeTable
 from minillm.stages import fast_decode
 from minillm.stages.fast_decode import FastDecoder, fuse_projections, generate_greedy_fast, is_fused
 from minillm.stages.kv_cache import KVCache, forward_cached, generate_greedy_naive
-from helpers import greedy_under_naive_forward
+from helpers import count_calls, greedy_under_naive_forward
 
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_caches")   # conftest: each test compiles afresh
@@ -351,3 +351,11 @@ def test_a_quantised_model_decodes_on_packed_weights_and_quant_kernels_false_run
         assert modules.kind == "baseline" and modules.decode_weights is None
         ref = generate_greedy(model, [prompt], 6)[0]
         assert packed.generate_greedy(prompt, 6) == modules.generate_greedy(prompt, 6) == ref
+
+
+def test_weights_only_step_runs_every_linear_once_per_layer(monkeypatch):
+    """Lesson 01's floor: one token's weight GEMVs and nothing else (7 linears per layer, then the LM head)."""
+    model = random_model(tiny_config(), seed=4)
+    calls = count_calls(monkeypatch, "linear", fast_decode)
+    fast_decode.weights_only_step(model)
+    assert len(calls) == 7 * model.cfg.n_layers

@@ -3,15 +3,13 @@
     python -m minillm bench flash-attention [--quick] [--json results/flash-attention.json]
 
 1. CPU peak memory of one causal attention forward, naive vs the tiled torch twin, N = 1K..16K.
-   Measured, not estimated: each (method, N) runs in a fresh Python process that builds its
-   inputs, runs a tiny warm-up (so lazily allocated thread pools and buffers are not counted),
-   then resets the kernel's resident-set high-water mark (writing 5 to /proc/self/clear_refs
-   sets VmHWM back to the current RSS) and reports VmHWM - VmRSS-before after one call. A fresh
-   process matters: glibc keeps freed heap pages, which would hide the next allocation. The
-   full run takes the median of 3 processes per point (page-level noise is about 1-2 MiB).
-   The same process then times the method (median of a few runs) for information. Also
-   measured: the bytes autograd keeps for backward (saved_tensors_hooks), naive vs flash.
-2. HBM bytes moved per (batch, head), counted with the model written in lesson 05:
+   Measured, not estimated, by minillm.perf.memory.peak_rss_growth: each (method, N) runs in a
+   fresh Python process (glibc keeps freed heap pages, which would hide the next allocation) that
+   builds its inputs, warms up on a small call, resets the resident-set high-water mark and reports
+   its growth during one call. The full run takes the median of 3 processes per point (page-level
+   noise is about 1-2 MiB). The same process then times the method (median of a few runs) for
+   information. Also measured: the bytes autograd keeps for backward, naive vs flash.
+2. HBM bytes moved per (batch, head), counted by minillm.course.calculators.hbm_bytes (lesson 05):
    naive = three kernels that write and re-read S and P; flash = Q, O, LSE once plus K and V
    once per query tile (the worst case: no L2 reuse).
 3. On a CUDA GPU only: TFLOP/s of naive, torch SDPA (flash backend) and our Triton kernel,
@@ -22,131 +20,44 @@
 from __future__ import annotations
 
 import json
-import math
-import os
-import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
+from minillm.attention.flash import flash_attention, naive_attention_in_dtype, time_triton_backward
 from minillm.course.benchmarks import common
+from minillm.course.calculators import FLASH_BLOCK_M_CUDA, hbm_bytes
+from minillm.perf.memory import peak_rss_growth, saved_for_backward_bytes
 
 NAME = "flash-attention"
 REPO = Path(__file__).resolve().parents[3]
 CPU_BLOCK = 256                  # tile edge of the torch twin on CPU: big tiles keep Python overhead low
-GPU_BLOCK_M = 128                # the kernel's default query tile on CUDA (kernels/flash_attention.py)
 
 
 # ----------------------------------------------------------------------------- 1. CPU memory, measured
 
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _child(method: str, n: int, heads: int, head_dim: int, repeats: int) -> None:
-    """Runs in a fresh process: print {"peak_bytes", "seconds"} for one causal forward."""
-    from minillm.attention.flash import flash_attention_torch, naive_attention_in_dtype
-
-    def attend(q, k, v):
-        if method == "naive":
-            return naive_attention_in_dtype(q, k, v, causal=True)
-        return flash_attention_torch(q, k, v, causal=True, block_m=CPU_BLOCK, block_n=CPU_BLOCK)
-
-    small = [torch.randn(1, heads, 64, head_dim) for _ in range(3)]
-    attend(*small)                                                     # warm-up: thread pools, kernels
-    q, k, v = (torch.randn(1, heads, n, head_dim) for _ in range(3))  # (1, H, N, D) each
-    Path("/proc/self/clear_refs").write_text("5")                      # VmHWM := current VmRSS
-    before = _rss_kib("VmRSS")
-    out = attend(q, k, v)
-    peak = _rss_kib("VmHWM") - before
-    del out
-    seconds = common.time_median(lambda: attend(q, k, v), repeats=repeats, warmup=0)
-    print(json.dumps({"peak_bytes": peak * 1024, "seconds": seconds}))
-
-
 def measure_cpu(method: str, n: int, heads: int, head_dim: int, repeats: int, trials: int = 1) -> dict:
-    """Median peak bytes and seconds over `trials` fresh processes (the small tiled peaks vary by ~MiB)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    code = (f"from minillm.course.benchmarks.flash_attention import _child; "
-            f"_child({method!r}, {n}, {heads}, {head_dim}, {repeats})")
-    runs = []
-    for _ in range(trials):
-        done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return {key: statistics.median(r[key] for r in runs) for key in ("peak_bytes", "seconds")}
+    """Median peak bytes and seconds of one causal forward over `trials` fresh processes (the small tiled
+    peaks vary by ~MiB); a 64-token call first warms thread pools and kernels."""
+    call = ("naive_attention_in_dtype(q, k, v, causal=True)" if method == "naive" else
+            f"flash_attention_torch(q, k, v, causal=True, block_m={CPU_BLOCK}, block_n={CPU_BLOCK})")
+    setup = ("import torch\nfrom minillm.attention.flash import flash_attention_torch, naive_attention_in_dtype\n"
+             f"q, k, v = (torch.randn(1, {heads}, 64, {head_dim}) for _ in range(3))\n{call}\n"
+             f"q, k, v = (torch.randn(1, {heads}, {n}, {head_dim}) for _ in range(3))   # (1, H, N, D) each")
+    return peak_rss_growth(setup, call, repeats=repeats, trials=trials)
 
 
-def saved_for_backward_bytes(method: str, n: int, heads: int, head_dim: int) -> int:
-    """Bytes of the tensors autograd keeps from forward to backward (distinct storages, inputs included)."""
-    from minillm.attention.flash import flash_attention, naive_attention_in_dtype
-
+def saved_bytes(method: str, n: int, heads: int, head_dim: int) -> int:
+    """Bytes autograd keeps from one causal forward to its backward, naive or flash (inputs included)."""
     q, k, v = (torch.randn(1, heads, n, head_dim, requires_grad=True) for _ in range(3))   # (1, H, N, D)
-    storages = {}
-
-    def keep(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        if method == "naive":
-            naive_attention_in_dtype(q, k, v, causal=True)
-        else:
-            flash_attention(q, k, v, causal=True, backend="torch")
-    return sum(storages.values())
+    if method == "naive":
+        return saved_for_backward_bytes(lambda *qkv: naive_attention_in_dtype(*qkv, causal=True), q, k, v)
+    return saved_for_backward_bytes(lambda *qkv: flash_attention(*qkv, causal=True, backend="torch"), q, k, v)
 
 
-# ----------------------------------------------------------------------------- 2. HBM bytes, counted
-
-def hbm_bytes(n: int, head_dim: int, causal: bool, dtype_bytes: int = 2, block_m: int = GPU_BLOCK_M) -> dict:
-    """Bytes moved between HBM and the chip for one (batch, head) of attention, N queries = N keys.
-
-    naive (the article's three kernels):  S = QK^T reads Q, K and writes S; softmax reads S and
-    writes P; O = PV reads P, V and writes O: 4*N*D + 4*N^2 elements.
-    flash: Q read once, O written once, the fp32 LSE written once; every query tile reads the
-    K and V tiles it needs (all N keys, or up to its diagonal when causal) exactly once.
-    """
-    nd = n * head_dim
-    naive = (4 * nd + 4 * n * n) * dtype_bytes
-    tiles = math.ceil(n / block_m)
-    keys_read = sum(min(n, (i + 1) * block_m) for i in range(tiles)) if causal else tiles * n
-    flash = (2 * nd + 2 * keys_read * head_dim) * dtype_bytes + 4 * n
-    return {"naive_bytes": naive, "flash_bytes": flash, "score_matrix_bytes": n * n * dtype_bytes}
-
-
-# ----------------------------------------------------------------------------- 3. GPU speed
+# ----------------------------------------------------------------------------- 2. GPU speed
 
 BACKWARD_FLOPS_PER_FORWARD = 2.5   # FlashAttention-2's count: 5 matmuls of the backward against 2 of the forward
-
-
-def backward_row(q, k, v, causal: bool, sdpa, samples: int = 10) -> dict:
-    """The backward of `sdpa` (autograd, graph built once, retain_graph) against the Triton backward
-    (kernels/flash_attention_backward.py, from the Triton forward's o and lse): ms each, the fraction,
-    and the largest gradient difference. Same q, k, v and dO for both."""
-    from kernels.flash_attention import triton_flash_attention_forward
-    from kernels.flash_attention_backward import triton_flash_attention_backward
-
-    from .kernel_timing import time_kernel
-
-    device = q.device
-    do = torch.randn_like(q)
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = sdpa(*leaves, causal)
-    ref = torch.autograd.grad(out, leaves, do, retain_graph=True)
-    o, lse = triton_flash_attention_forward(q, k, v, causal)
-    got = triton_flash_attention_backward(q, k, v, o, lse, do, causal)       # tunes on its first call
-    sdpa_t = time_kernel(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), device=device,
-                         samples=samples, warmup=3)
-    triton_t = time_kernel(lambda: triton_flash_attention_backward(q, k, v, o, lse, do, causal), device=device,
-                           samples=samples, warmup=3)
-    return {"sdpa_flash_backward_ms": 1e3 * sdpa_t["median_s"], "triton_backward_ms": 1e3 * triton_t["median_s"],
-            "backward_fraction_of_sdpa": sdpa_t["median_s"] / triton_t["median_s"],
-            "backward_max_grad_diff": max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref)),
-            "backward_timing": triton_t["method"]}
 
 
 GPU_GOALS = {"forward_fraction_of_sdpa": 0.9, "backward_fraction_of_sdpa": 0.6}   # issue 25, every row
@@ -176,9 +87,7 @@ def measure_gpu(quick: bool) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kernels.flash_attention import triton_flash_attention_forward
-    from minillm.attention.flash import naive_attention_in_dtype
-
-    from .kernel_timing import time_kernel
+    from minillm.perf.kernel_timing import time_kernel
 
     def sdpa(q, k, v, causal):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -216,7 +125,7 @@ def measure_gpu(quick: bool) -> list[dict]:
                     row["speedup_vs_naive"] = row["naive_ms"] / row["triton_ms"]
                     row["fraction_of_sdpa"] = row["sdpa_flash_ms"] / row["triton_ms"]
                     if dtype == torch.bfloat16 and n >= (1024 if quick else 4096):
-                        row.update(backward_row(q, k, v, causal, sdpa))
+                        row.update(time_triton_backward(q, k, v, causal, sdpa))
                         row["triton_backward_tflops"] = BACKWARD_FLOPS_PER_FORWARD * flops / row["triton_backward_ms"] / 1e9
                     rows.append(row)
                     del q, k, v, ref
@@ -235,8 +144,8 @@ def run(quick: bool) -> dict:
         naive = measure_cpu("naive", n, heads, head_dim, repeats, trials)
         tiled = measure_cpu("tiled", n, heads, head_dim, repeats, trials)
         full, causal = hbm_bytes(n, head_dim, causal=False), hbm_bytes(n, head_dim, causal=True)
-        saved_naive = saved_for_backward_bytes("naive", n, heads, head_dim)
-        saved_flash = saved_for_backward_bytes("flash", n, heads, head_dim)
+        saved_naive = saved_bytes("naive", n, heads, head_dim)
+        saved_flash = saved_bytes("flash", n, heads, head_dim)
         results.append({
             "n": n,
             "naive_peak_mib": naive["peak_bytes"] / 2**20,           # measured, CPU, fp32, causal
@@ -272,7 +181,7 @@ def run(quick: bool) -> dict:
         summary["gpu"] = "not measured: no CUDA device on this machine"
     config = {"cpu": {"heads": heads, "head_dim": head_dim, "dtype": "float32", "causal": True, "sizes": sizes,
                       "tiled_block": CPU_BLOCK, "memory_method": "fresh process, /proc/self/clear_refs then VmHWM; median of 3 processes (1 in quick)"},
-              "hbm": {"head_dim": head_dim, "dtype_bytes": 2, "block_m": GPU_BLOCK_M,
+              "hbm": {"head_dim": head_dim, "dtype_bytes": 2, "block_m": FLASH_BLOCK_M_CUDA,
                       "note": "per (batch, head), N queries = N keys, no L2 reuse assumed"},
               "gpu": {"tokens_per_batch": 16384, "heads": 16, "flops": "4*B*H*N^2*D, x0.5 causal"},
               "quick": quick}
@@ -304,7 +213,7 @@ def plot(doc: dict, prefix: str | Path) -> list[Path]:
     ax.loglog(ns, [r["hbm_flash_mib"] for r in cpu], "s-", label="flash, full attention")
     ax.loglog(ns, [r["hbm_flash_causal_mib"] for r in cpu], "s--", label="flash, causal (tiles skipped)")
     ax.set(xlabel="sequence length N", ylabel="HBM traffic per head (MiB, counted)",
-           title=f"Bytes moved, fp16, D=64, query tile {GPU_BLOCK_M}")
+           title=f"Bytes moved, fp16, D=64, query tile {FLASH_BLOCK_M_CUDA}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(Path(f"{prefix}-hbm.png"))

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from minillm.perf import roofline
+from minillm.perf.kernel_timing import copy_bandwidth, time_kernel
 from .common import document
-from .kernel_timing import copy_bandwidth, time_kernel
 
 NAME = "gpu-engine"
 DTYPES = ("bfloat16", "float16", "float32")

@@ -330,7 +330,7 @@ def kernel_benchmark(quick: bool = False, device: str = "cuda", shapes=((4096, 4
     from minillm.quant import quantize_linear
     from minillm.kernel_support.tuning import choose_config, chosen_configs, failed_configs
     from minillm.quant.w4a16 import GEMV_CONFIGS, gemv_operands, operands, w4a16_linear
-    from .kernel_timing import copy_bandwidth, time_kernel
+    from minillm.perf.kernel_timing import copy_bandwidth, time_kernel
 
     copy = copy_bandwidth(device, mbytes=1024 if device == "cuda" else 16)
     rows = []

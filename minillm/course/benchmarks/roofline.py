@@ -16,25 +16,11 @@ import torch
 
 from minillm.loading.loader import load_model
 from minillm.perf import roofline
-from minillm.stages.fast_decode import FastDecoder, fuse_projections, linear
+from minillm.stages.fast_decode import FastDecoder, fuse_projections, weights_only_step
 from minillm.stages.kv_cache import generate_greedy_naive
 from .common import document, time_median
 
 NAME = "roofline"
-
-
-def weights_only_step(model) -> None:
-    """One token's worth of weight traffic and nothing else: every linear as the library's GEMV
-    (torch.mv, see fast_decode.linear) + the LM head: what the BLAS kernels deliver for decode's
-    shapes (lesson 02's compiled GEMV can beat it where the BLAS GEMV is slow)."""
-    x = torch.randn(1, model.cfg.dim, dtype=model.embed.weight.dtype)
-    for layer in model.layers:
-        for lin in (layer.attn.wq, layer.attn.wk, layer.attn.wv, layer.attn.wo):
-            linear(lin, x if lin.in_features == x.shape[-1] else x.new_zeros(1, lin.in_features))
-        g = linear(layer.ffn.w_gate, x)
-        linear(layer.ffn.w_up, x)
-        linear(layer.ffn.w_down, g)
-    torch.mv(model.embed.weight, x[0])
 
 
 def bandwidth_over_time(samples: int, seconds_apart: float = 0.5, mbytes: int = 512) -> dict:

@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from minillm.course.benchmarks import kernel_timing
+from minillm.perf import kernel_timing
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
