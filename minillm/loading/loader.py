@@ -375,6 +375,65 @@ def to_interleaved(key: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return t
 
 
+def interleaved_to_rotate_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of rotate_half_to_interleaved: our interleaved q/k rows back into HF's layout."""
+    hd = w.shape[0] // n_heads
+    return w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def save_hf_folder(model: Llama, tokenizer: ChatTokenizer, folder: str | os.PathLike) -> Path:
+    """Write a Llama-family model and its tokenizer as a transformers folder (config.json, model.safetensors in
+    the model's dtype, tokenizer.json, tokenizer_config.json with the chat template): the inverse of
+    load_model(folder), and what a peer engine (vLLM, transformers) reads to run the same weights."""
+    from safetensors.torch import save_file
+
+    cfg = model.cfg
+    extras = [name for name, on in (("qkv_bias", cfg.qkv_bias), ("qk_norm", cfg.qk_norm),
+                                    ("sliding_window", cfg.sliding_window), ("rope_scaling", cfg.rope_scaling)) if on]
+    if extras:
+        raise ValueError(f"save_hf_folder writes the plain Llama family; this model has {', '.join(extras)}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    to_hf = {ours: theirs for theirs, ours in _HF_LAYER_NAMES.items()}
+    state = {}
+    for key, t in model.state_dict().items():
+        if key == "embed.weight":
+            name = "model.embed_tokens.weight"
+        elif key == "norm.weight":
+            name = "model.norm.weight"
+        elif key == "lm_head.weight":
+            name = "lm_head.weight"
+        else:
+            _, i, rest = key.split(".", 2)
+            name = f"model.layers.{i}.{to_hf[rest]}"
+        if key.endswith("wq.weight"):
+            t = interleaved_to_rotate_half(t, cfg.n_heads)
+        elif key.endswith("wk.weight"):
+            t = interleaved_to_rotate_half(t, cfg.n_kv_heads)
+        state[name] = t.detach().to("cpu").contiguous()
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)                 # tied: transformers reads the embedding
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+              "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+              "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+              "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+              "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
+              "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+              "torch_dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.tok.save(str(folder / "tokenizer.json"))
+
+    def special(token_id):
+        return tokenizer.tok.id_to_token(token_id) if token_id is not None else None
+
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": special(tokenizer.bos_token_id),
+         "eos_token": special(tokenizer.eos_token_id), "add_bos_token": tokenizer.add_bos,
+         "chat_template": tokenizer.chat_template, "model_max_length": cfg.max_seq_len}, indent=2))
+    return folder
+
+
 def tokenizer_from_hf(folder: Path, cfg: dict) -> ChatTokenizer:
     from tokenizers import Tokenizer
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 import torch
@@ -92,3 +93,30 @@ def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
     out = [line, "  ".join("-" * w for w in widths)]
     out += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join(out)
+
+
+class Worker:
+    """A worker process spoken to in JSON lines: one request in, one answer out. Side-by-side benchmarks keep
+    one per system alive (each loaded once) and ask them in turn, so the machine's drift hits both alike."""
+
+    def __init__(self, command: list[str], env: dict | None = None):
+        self.command = command
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the worker {self.command[1:2]} stopped while answering {cmd.get('op')!r} "
+                               f"(exit code {self.proc.poll()})")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
+        return answer
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)

@@ -22,7 +22,6 @@ different rounds carries that drift; a round's own ratio does not. Medians of ea
 """
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
@@ -34,31 +33,6 @@ NAME = "redesign"
 BASELINE = "ca3b9d6"            # the last commit before issue 42 (one forward, one engine)
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("redesign_worker.py")
-
-
-class Worker:
-    """A redesign_worker.py process over one source tree."""
-
-    def __init__(self, tree: Path):
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), str(tree)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
-
-    def ask(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the worker stopped while answering {cmd} (exit code {self.proc.poll()})")
-        answer = json.loads(line)
-        if "error" in answer:
-            raise RuntimeError(answer["error"])
-        return answer
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-            self.proc.stdin.close()
-            self.proc.wait(timeout=60)
 
 
 # The one change the baseline needs to run here at all: on an AVX2-only CPU (the AMD EPYC 7003 VM) its
@@ -173,7 +147,8 @@ def run(quick: bool, baseline: str = BASELINE) -> dict:
     tokens = 16 if quick else 48
     rounds = dict.fromkeys(ROUNDS, 1) if quick else ROUNDS
     kinds = ["fp32"] if quick else ["fp32", "bf16", "int8", "int4", "fp32-ngram"]
-    workers = {"before": Worker(worktree(baseline)), "after": Worker(ROOT)}
+    workers = {"before": common.Worker([sys.executable, str(WORKER), str(worktree(baseline))]),
+               "after": common.Worker([sys.executable, str(WORKER), str(ROOT)])}
     rows = []
     try:
         for kind in kinds:

