@@ -130,6 +130,12 @@ class LLM:
             self._engine = Engine(self, self.engine_config, speculation=speculation)
         return self._engine
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes (vLLM's method of the same name), so that the next requests compute their
+        prompts again, as a benchmark's repeated rounds must. -> False while requests are running (nothing
+        is reset), True otherwise."""
+        return self._engine is None or self._engine.block_manager.reset_prefix_cache()
+
     def close(self) -> None:
         """Stop the tensor/pipeline-parallel worker processes (nothing to do for one process)."""
         if self.parallel is not None:

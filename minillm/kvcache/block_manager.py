@@ -167,6 +167,17 @@ class BlockManager:
         self.pool = BlockPool(num_blocks, self.prefix_cache)
         self._tables: dict[str, _BlockTable] = {}       # request_id -> its table
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's LLM.reset_prefix_cache): all blocks become plain free blocks.
+        Only while no request holds blocks (their tables would point at blocks the index no longer knows):
+        -> False then, and nothing changes; True otherwise."""
+        if self._tables:
+            return False
+        if self.prefix_cache is not None:
+            self.prefix_cache = type(self.prefix_cache)()
+            self.pool = BlockPool(self.num_blocks, self.prefix_cache)
+        return True
+
     # --- queries ------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers import CharTokenizer
+from minillm import LLM, SamplingParams
 from minillm.engine.request import Request
 from minillm.kvcache.block_manager import BlockManager, OutOfBlocks
 from minillm.kvcache.prefix_cache import ROOT_HASH, PrefixCache, chain_hashes, hash_block
+from minillm.model.llama import random_model, tiny_config
 
 
 def admit(bm, request_id, tokens):
@@ -228,3 +231,33 @@ def test_request_output_says_how_many_prompt_tokens_the_cache_served(index):
         first = llm.generate([{"prompt_token_ids": shared + [50]}], params, use_tqdm=False)[0]
         second = llm.generate([{"prompt_token_ids": shared + [60, 61]}], params, use_tqdm=False)[0]
         assert (first.num_cached_tokens, second.num_cached_tokens) == (0, expected), caching
+
+
+@pytest.mark.parametrize("index", ["hash", "radix"])
+def test_reset_prefix_cache_forgets_every_prefix_and_frees_its_blocks(index):
+    """vLLM's reset_prefix_cache: refused while a request holds blocks; afterwards nothing hits and every
+    block is a plain free one."""
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True, prefix_cache=index)
+    tokens = list(range(1, 14))
+    computed(bm, "a", tokens)
+    assert not bm.reset_prefix_cache()                                  # "a" is still running
+    bm.free("a")
+    assert computed(bm, "b", tokens) == 12                              # cached: 3 full blocks hit
+    bm.free("b")
+    assert bm.reset_prefix_cache()
+    assert computed(bm, "c", tokens) == 0 and bm.prefix_cache.num_evictable == 0
+    bm.free("c")
+    assert bm.num_free_blocks == 16
+
+
+def test_llm_reset_prefix_cache_makes_the_next_request_compute_its_prompt():
+    llm = LLM(model=random_model(tiny_config(), seed=0), tokenizer=CharTokenizer(), device="cpu", max_model_len=256,
+              enable_prefix_caching=True)
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    params = SamplingParams(temperature=0, max_tokens=2)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert llm.reset_prefix_cache()
+    after = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert (first.num_cached_tokens, after.num_cached_tokens) == (0, 0) and again.num_cached_tokens == 32
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == after.outputs[0].token_ids

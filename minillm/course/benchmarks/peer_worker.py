@@ -5,8 +5,9 @@
 
 The same few lines drive both, because minillm's LLM, SamplingParams and generate are vLLM's. Requests in
 (one JSON object per line on stdin), answers out (one per line): {"op": "load", "args": {...}} builds the
-LLM; {"op": "run", "prompts": [[token ids], ...], "max_tokens": [...]} generates greedily (ignore_eos, so
-each request gets exactly what it asked for) and answers with the wall time and the tokens. Everything the
+LLM; {"op": "run", "prompts": [[token ids], ...], "max_tokens": [...]} empties the prefix cache (a round
+repeats the last round's prompts), generates greedily (ignore_eos, so each request gets exactly what it asked
+for) and answers with the wall time and the tokens. Everything the
 engines print goes to stderr: stdout carries the answers only.
 """
 import json
@@ -14,6 +15,19 @@ import os
 import sys
 import time
 from pathlib import Path
+
+
+def scheduler_settings(engine: str, llm) -> dict:
+    """The batch limits each engine actually runs with (its defaults where the benchmark names none)."""
+    if engine == "vllm":
+        sched, cache = llm.llm_engine.vllm_config.scheduler_config, llm.llm_engine.vllm_config.cache_config
+        return {"max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+                "enable_chunked_prefill": sched.enable_chunked_prefill, "block_size": cache.block_size,
+                "enable_prefix_caching": cache.enable_prefix_caching}
+    config = llm.engine_config
+    return {"max_num_seqs": config.scheduler.max_num_seqs, "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "enable_chunked_prefill": config.scheduler.enable_chunked_prefill, "block_size": config.cache.block_size,
+            "enable_prefix_caching": config.cache.enable_prefix_caching}
 
 
 def main() -> None:
@@ -36,8 +50,10 @@ def main() -> None:
             if cmd["op"] == "load":
                 t0 = time.perf_counter()
                 llm = LLM(**cmd["args"])
-                answer = {"load_seconds": time.perf_counter() - t0}
+                answer = {"load_seconds": time.perf_counter() - t0, "scheduler": scheduler_settings(engine, llm)}
             elif cmd["op"] == "run":
+                if not llm.reset_prefix_cache():        # rounds repeat the prompts: each must compute them
+                    raise RuntimeError("the prefix cache could not be reset")
                 prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
                 params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in cmd["max_tokens"]]
                 t0 = time.perf_counter()

