@@ -30,6 +30,28 @@ def scheduler_settings(engine: str, llm) -> dict:
             "enable_prefix_caching": config.cache.enable_prefix_caching}
 
 
+def profile(engine: str, llm, cmd: dict, SamplingParams) -> dict:
+    """cmd's run under the torch profiler: vLLM's own (its model runner's process writes the trace; the LLM
+    was loaded with profiler_config), or torch.profiler around generate for minillm."""
+    prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in cmd["max_tokens"]]
+    llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    if engine == "vllm":
+        llm.start_profile()
+        llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        llm.stop_profile()
+    else:
+        import torch.profiler
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        prof.export_chrome_trace(str(Path(cmd["dir"]) / "minillm.trace.json"))
+    return {"seconds": seconds}
+
+
 def main() -> None:
     engine = sys.argv[1]
     answers = os.fdopen(os.dup(1), "w")             # the protocol's own copy of stdout ...
@@ -61,8 +83,10 @@ def main() -> None:
                 seconds = time.perf_counter() - t0
                 tokens = [list(o.outputs[0].token_ids) for o in outputs]
                 answer = {"seconds": seconds, "output_tokens": sum(map(len, tokens)), "token_ids": tokens}
+            elif cmd["op"] == "profile":                 # one run under torch.profiler, its trace in cmd["dir"]
+                answer = profile(engine, llm, cmd, SamplingParams)
             else:
-                answer = {"error": f"unknown op {cmd['op']!r}; allowed: load, run, quit"}
+                answer = {"error": f"unknown op {cmd['op']!r}; allowed: load, run, profile, quit"}
         except Exception as e:                      # the benchmark reports it; the worker stays up
             answer = {"error": f"{engine}: {type(e).__name__}: {e}"}
         answers.write(json.dumps(answer) + "\n")

@@ -101,11 +101,14 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"requests_identical": same, "requests": len(a), "mean_common_prefix": statistics.mean(prefix)}
 
 
-def start(folder: Path, dtype: str) -> tuple[dict[str, common.Worker], dict]:
+def start(folder: Path, dtype: str, trace_dir: Path | None = None) -> tuple[dict[str, common.Worker], dict]:
     """Both engines loaded on the weights in `dtype`, max_num_seqs 64, prefix caching on (vLLM's default; each
-    run starts from an empty cache) -> (workers, what each load reported)."""
+    run starts from an empty cache) -> (workers, what each load reported). trace_dir: where vLLM's profiler
+    writes (its profiler is configured at load and idle until a profile request)."""
+    profiler = {} if trace_dir is None else {"profiler_config": {
+        "profiler": "torch", "torch_profiler_dir": str(trace_dir), "torch_profiler_with_stack": False}}
     args = {"vllm": dict(model=str(folder), dtype=dtype, max_num_seqs=MAX_NUM_SEQS, max_model_len=2048, seed=0,
-                         enable_prefix_caching=True),
+                         enable_prefix_caching=True, **profiler),
             "minillm": dict(model=str(folder), dtype=dtype, max_num_seqs=MAX_NUM_SEQS, enable_prefix_caching=True)}
     workers = {"vllm": common.Worker([str(vllm_python()), "-P", str(WORKER), "vllm"],
                                      env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB))),
@@ -142,12 +145,83 @@ def side_by_side(workers: dict[str, common.Worker], name: str, prompts: list[lis
     return row
 
 
+# Op classes of the profiles: bench profile's, plus the names vLLM's own CPU kernels go by.
+VLLM_MATMUL = ("onednn_mm", "weight_packed_linear", "_C::onednn", "zentorch_linear")
+VLLM_ATTENTION = ("cpu_attention_with_kv_cache", "cpu_attn_reshape_and_cache", "cpu_attn_get_scheduler_metadata",
+                  "unified_attention", "unified_kv_cache_update")
+
+
+def op_class(name: str) -> str:
+    from .profile import op_class as torch_op_class
+
+    if any(k in name for k in VLLM_MATMUL):
+        return "weight matmuls"
+    if any(k in name for k in VLLM_ATTENTION):
+        return "attention"
+    return torch_op_class(name)
+
+
+def trace_self_seconds(path: Path) -> dict[str, float]:
+    """A torch profiler Chrome trace (.json or .json.gz) -> seconds of *self* time per op class (an op's own
+    time, its children's taken out, on each thread). Ranges that are not ops (record_function annotations)
+    only nest: their own time is the engines' Python, counted as wall time minus op time by the caller."""
+    import gzip
+    import json
+
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
+        events = [e for e in json.load(f)["traceEvents"]
+                  if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e]
+    by_thread: dict[tuple, list] = {}
+    for e in events:
+        by_thread.setdefault((e["pid"], e["tid"]), []).append(e)
+    out: dict[str, float] = {}
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []                                         # [end, event, children's time]
+        for e in thread + [None]:
+            while stack and (e is None or e["ts"] >= stack[-1][0]):
+                end, done, children = stack.pop()
+                if done["cat"] == "cpu_op":
+                    cls = op_class(done["name"])
+                    out[cls] = out.get(cls, 0.0) + (done["dur"] - children) / 1e6
+                if stack:
+                    stack[-1][2] += done["dur"]
+            if e is not None:
+                stack.append([e["ts"] + e["dur"], e, 0.0])
+    return out
+
+
+def profiles(workers: dict[str, common.Worker], work: dict, trace_dir: Path) -> list[dict]:
+    """Each engine once under the torch profiler per workload: wall seconds, and self seconds per op class
+    from its model process's trace; "outside ops" is the wall time no op of that process accounts for (the
+    Python of scheduling, metadata, sampling and detokenising, and for vLLM its engine core in another
+    process and the hand-offs between them)."""
+    rows = []
+    for name, (prompts, max_tokens) in work.items():
+        row = {"workload": name}
+        for e, w in workers.items():
+            folder = trace_dir / f"{name}-{e}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for old in folder.iterdir():
+                old.unlink()
+            seconds = w.ask(op="profile", prompts=prompts, max_tokens=max_tokens, dir=str(folder))["seconds"]
+            trace = trace_dir / "vllm-traces" if e == "vllm" else folder     # vLLM's: where it was loaded to write
+            files = sorted(trace.glob("*.json*"), key=lambda p: p.stat().st_mtime)
+            ops = trace_self_seconds(files[-1])
+            ops["outside ops"] = max(0.0, seconds - sum(v for k, v in ops.items() if k != "outside ops"))
+            row[e] = {"seconds": seconds, "self_seconds": ops, "trace": files[-1].name}
+        rows.append(row)
+    return rows
+
+
 def run(quick: bool) -> dict:
     folder = weights_folder()
     work = workloads(quick)
-    workers, loaded = start(folder, "bfloat16")
+    trace_dir = peers_dir() / "traces"
+    workers, loaded = start(folder, "bfloat16", trace_dir / "vllm-traces")
     try:
         rows = [side_by_side(workers, name, *work[name], rounds=1 if quick else ROUNDS) for name in work]
+        profiled = profiles(workers, {k: work[k] for k in work if k in ("held-out", "mixed-128")}, trace_dir)
     finally:
         close(workers)
     # The same model in both: in fp32 the greedy tokens must agree (bf16 near-ties may not).
@@ -160,6 +234,7 @@ def run(quick: bool) -> dict:
     summary = {f"{r['workload']}_minillm_over_vllm": r["minillm_over_vllm"] for r in rows}
     summary["min_minillm_over_vllm"] = min(r["minillm_over_vllm"] for r in rows)
     summary["fp32_tokens_held_out"] = agreement(fp32["minillm"], fp32["vllm"])
+    summary["profiles"] = profiled
     config = {"vllm": f"vllm-cpu {VLLM_VERSION}, VLLM_CPU_KVCACHE_SPACE={KV_CACHE_GIB}", "engines": loaded,
               "workloads": {k: dict(zip(("requests", "prompt_range", "output_range", "seed"), v))
                             for k, v in (QUICK_WORKLOADS if quick else WORKLOADS).items()},
