@@ -400,3 +400,29 @@ def test_a_windowed_prefix_hit_survives_the_eviction_of_blocks_outside_the_windo
         assert b[0].num_cached_tokens == 76                        # a's 79 computed tokens, in whole blocks
         assert b[0].output_token_ids == greedy_reference(hf, [later], 40)[0]
         assert bm.num_free_blocks == blocks
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-tied"])
+@torch.no_grad()
+def test_save_hf_folder_writes_what_transformers_and_our_loader_read_back(tmp_path, folders, family):
+    """loader.save_hf_folder, the inverse of loading a folder (bench peers hands vLLM our weights this way):
+    transformers' logits from the written folder equal ours, and our loader reads it back to the same model."""
+    from minillm.loading.loader import save_hf_folder
+
+    ours, tokenizer = load_model(folders[family][0], dtype="float32", device="cpu")
+    out = save_hf_folder(ours, tokenizer, tmp_path / "written")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    again, tokenizer_again = load_model(out, dtype="float32", device="cpu")
+    ids = torch.tensor([prompt(37, seed=3)])
+    assert (hf(ids).logits - ours(ids)).abs().max().item() <= TOLERANCE
+    assert torch.equal(again(ids), ours(ids))
+    assert tokenizer_again.encode("hello world") == tokenizer.encode("hello world")
+    assert tokenizer_again.chat_template == tokenizer.chat_template
+
+
+def test_save_hf_folder_refuses_what_it_would_drop(tmp_path, folders):
+    from minillm.loading.loader import save_hf_folder
+
+    model, tokenizer = load_model(folders["qwen2"][0], dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="qkv_bias"):
+        save_hf_folder(model, tokenizer, tmp_path / "x")

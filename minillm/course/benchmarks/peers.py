@@ -191,11 +191,13 @@ def trace_self_seconds(path: Path) -> dict[str, float]:
     return out
 
 
-def profiles(workers: dict[str, common.Worker], work: dict, trace_dir: Path) -> list[dict]:
-    """Each engine once under the torch profiler per workload: wall seconds, and self seconds per op class
-    from its model process's trace; "outside ops" is the wall time no op of that process accounts for (the
-    Python of scheduling, metadata, sampling and detokenising, and for vLLM its engine core in another
-    process and the hand-offs between them)."""
+def profiles(workers: dict[str, common.Worker], work: dict, trace_dir: Path, timed: dict[str, dict]) -> list[dict]:
+    """Each engine once under the torch profiler per workload -> self seconds per op class from its model
+    process's trace. The profiler slows what it watches, the more so the more ops a step runs (minillm's
+    eager step runs many more than vLLM's compiled one), so the ops' own times are kept and the rest is
+    taken against the unprofiled run: "outside ops" = the timed rounds' median wall time minus the ops'
+    time (the Python of scheduling, metadata, sampling and detokenising; for vLLM also its engine core in
+    another process and the hand-offs). timed: workload -> its side_by_side row."""
     rows = []
     for name, (prompts, max_tokens) in work.items():
         row = {"workload": name}
@@ -204,12 +206,15 @@ def profiles(workers: dict[str, common.Worker], work: dict, trace_dir: Path) -> 
             folder.mkdir(parents=True, exist_ok=True)
             for old in folder.iterdir():
                 old.unlink()
-            seconds = w.ask(op="profile", prompts=prompts, max_tokens=max_tokens, dir=str(folder))["seconds"]
+            profiled = w.ask(op="profile", prompts=prompts, max_tokens=max_tokens, dir=str(folder))["seconds"]
             trace = trace_dir / "vllm-traces" if e == "vllm" else folder     # vLLM's: where it was loaded to write
             files = sorted(trace.glob("*.json*"), key=lambda p: p.stat().st_mtime)
             ops = trace_self_seconds(files[-1])
-            ops["outside ops"] = max(0.0, seconds - sum(v for k, v in ops.items() if k != "outside ops"))
-            row[e] = {"seconds": seconds, "self_seconds": ops, "trace": files[-1].name}
+            ops.pop("outside ops", None)                                  # ops of no known class: counted below
+            wall = timed[name]["output_tokens"] / timed[name][f"{e}_tok_s"]
+            ops["outside ops"] = max(0.0, wall - sum(ops.values()))
+            row[e] = {"wall_seconds": wall, "profiled_seconds": profiled, "self_seconds": ops,
+                      "share": {k: v / wall for k, v in ops.items()}, "trace": files[-1].name}
         rows.append(row)
     return rows
 
@@ -221,7 +226,8 @@ def run(quick: bool) -> dict:
     workers, loaded = start(folder, "bfloat16", trace_dir / "vllm-traces")
     try:
         rows = [side_by_side(workers, name, *work[name], rounds=1 if quick else ROUNDS) for name in work]
-        profiled = profiles(workers, {k: work[k] for k in work if k in ("held-out", "mixed-128")}, trace_dir)
+        timed = {r["workload"]: r for r in rows}
+        profiled = profiles(workers, {k: work[k] for k in work if k in ("held-out", "mixed-128")}, trace_dir, timed)
     finally:
         close(workers)
     # The same model in both: in fp32 the greedy tokens must agree (bf16 near-ties may not).
