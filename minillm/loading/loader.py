@@ -396,15 +396,13 @@ def save_hf_folder(model: Llama, tokenizer: ChatTokenizer, folder: str | os.Path
     folder.mkdir(parents=True, exist_ok=True)
     to_hf = {ours: theirs for theirs, ours in _HF_LAYER_NAMES.items()}
     state = {}
+    outside_layers = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+                      "lm_head.weight": "lm_head.weight"}
     for key, t in model.state_dict().items():
-        if key == "embed.weight":
-            name = "model.embed_tokens.weight"
-        elif key == "norm.weight":
-            name = "model.norm.weight"
-        elif key == "lm_head.weight":
-            name = "lm_head.weight"
+        if key in outside_layers:
+            name = outside_layers[key]
         else:
-            _, i, rest = key.split(".", 2)
+            _, i, rest = key.split(".", 2)                # layers.{i}.{what}
             name = f"model.layers.{i}.{to_hf[rest]}"
         if key.endswith("wq.weight"):
             t = interleaved_to_rotate_half(t, cfg.n_heads)

