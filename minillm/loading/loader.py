@@ -275,7 +275,6 @@ def hf_rope_scaling(cfg: dict) -> dict | None:
 def refuse_unsupported_hf_fields(cfg: dict, family: str) -> None:
     """Every config field that would change the math and the forward does not implement: refused by
     name, never ignored."""
-    defaults = HF_FAMILIES[family]
     problems = []
     if cfg.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={cfg['hidden_act']!r} (only 'silu', SwiGLU)")
