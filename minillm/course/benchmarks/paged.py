@@ -3,20 +3,11 @@
 Three parts, the first two without a model (they are about memory bookkeeping, so they run the
 real BlockManager against simple reservation allocators on a synthetic request trace):
 
-1. KV utilisation and concurrency (simulated by minillm/stages/kv_allocation.py). A backlog of requests with a long-tailed spread of prompt and
-   output lengths is served FCFS from a fixed KV budget, one decode token per running request per
-   step, under four policies (the vLLM paper's baselines, arXiv 2309.06180, section 6):
-   - contiguous "max":    reserve max_model_len slots per request (Orca Max);
-   - contiguous "pow2":   reserve the next power of two >= prompt + output (Orca Pow2);
-   - contiguous "oracle": reserve exactly prompt + output (Orca Oracle: knows the future);
-   - paged:               BlockManager, 16-token blocks allocated as the sequence grows,
-                          preemption by recompute (newest first) when a block is missing.
-   Contiguous reservations come from a first-fit allocator over one flat slot range, so external
-   fragmentation is real (a request may wait although enough memory is free, only not in one piece).
-   While requests are waiting (the system is memory-bound), each step records
-       used = tokens whose K/V is stored,  allocated = slots handed to requests,
-   and reports used / allocated (the share of allocated KV memory holding real tokens) and the
-   number of running sequences.
+1. KV utilisation and concurrency: a long-tailed backlog served from a fixed KV budget under the vLLM
+   paper's four policies (contiguous max / pow2 / oracle reservations, and the BlockManager's blocks), as
+   minillm/stages/kv_allocation.py simulates them. While requests are waiting (the system is memory-bound),
+   each step records used = tokens whose K/V is stored and allocated = slots handed to requests; reported:
+   used / allocated (the share of allocated KV memory holding real tokens) and the running sequences.
 2. Prefix caching bookkeeping: N requests share a 1024-token system prompt; prefill tokens computed
    with and without caching (from BlockManager.allocate's num_cached_tokens).
 3. On a GPU only: the paged decode kernel's cost on scattered 16-token pages vs the same kernel on

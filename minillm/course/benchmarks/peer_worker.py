@@ -7,8 +7,8 @@ The same few lines drive both, because minillm's LLM, SamplingParams and generat
 (one JSON object per line on stdin), answers out (one per line): {"op": "load", "args": {...}} builds the
 LLM; {"op": "run", "prompts": [[token ids], ...], "max_tokens": [...]} empties the prefix cache (a round
 repeats the last round's prompts), generates greedily (ignore_eos, so each request gets exactly what it asked
-for) and answers with the wall time and the tokens. Everything the
-engines print goes to stderr: stdout carries the answers only.
+for) and answers with the wall time and the tokens; {"op": "profile", ..., "dir": ...} runs the same under the
+torch profiler. Everything the engines print goes to stderr: stdout carries the answers only.
 """
 import json
 import os
@@ -30,12 +30,19 @@ def scheduler_settings(engine: str, llm) -> dict:
             "enable_prefix_caching": config.cache.enable_prefix_caching}
 
 
+def fresh_requests(llm, cmd: dict, SamplingParams) -> tuple[list, list]:
+    """cmd's prompts and greedy parameters, after emptying the prefix cache (rounds repeat the prompts: each
+    run must compute them)."""
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset")
+    prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
+    return prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in cmd["max_tokens"]]
+
+
 def profile(engine: str, llm, cmd: dict, SamplingParams) -> dict:
     """cmd's run under the torch profiler: vLLM's own (its model runner's process writes the trace; the LLM
     was loaded with profiler_config), or torch.profiler around generate for minillm."""
-    prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in cmd["max_tokens"]]
-    llm.reset_prefix_cache()
+    prompts, params = fresh_requests(llm, cmd, SamplingParams)
     t0 = time.perf_counter()
     if engine == "vllm":
         llm.start_profile()
@@ -74,10 +81,7 @@ def main() -> None:
                 llm = LLM(**cmd["args"])
                 answer = {"load_seconds": time.perf_counter() - t0, "scheduler": scheduler_settings(engine, llm)}
             elif cmd["op"] == "run":
-                if not llm.reset_prefix_cache():        # rounds repeat the prompts: each must compute them
-                    raise RuntimeError("the prefix cache could not be reset")
-                prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
-                params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in cmd["max_tokens"]]
+                prompts, params = fresh_requests(llm, cmd, SamplingParams)
                 t0 = time.perf_counter()
                 outputs = llm.generate(prompts, params, use_tqdm=False)
                 seconds = time.perf_counter() - t0

@@ -8,9 +8,9 @@ torchvision, torchaudio and torchcodec wheels it pulls in are removed (they do n
 and a text model needs none of them). The weights: SmolLM2-135M as minillm loads it, in bf16, written once
 as a transformers folder (minillm.loading.loader.save_hf_folder); both engines load that folder.
 
-Each engine runs in its own worker process (peer_worker.py, started with -P so that this folder's profile.py
-does not shadow the standard library's: the same lines drive both, since minillm's
-interface is vLLM's), loaded once with max_num_seqs=64 and otherwise its own defaults, as a user choosing
+Each engine runs in its own worker process (peer_worker.py: the same lines drive both, since minillm's
+interface is vLLM's; started with python -P, so that this folder's profile.py does not shadow the standard
+library's), loaded once with max_num_seqs=64 and otherwise its own defaults, as a user choosing
 between the two would run them. Workloads (token ids built here and sent to both; greedy, ignore_eos so
 every request gets exactly the tokens it asks for; offline: all requests at t = 0):
     one         1 chat request, 128 new tokens (batch 1)
@@ -85,10 +85,13 @@ def weights_folder() -> Path:
     return folder
 
 
-def workloads(quick: bool) -> dict[str, tuple[list[list[int]], list[int]]]:
-    from minillm.loading.loader import load_model
+def workloads(folder: Path, quick: bool) -> dict[str, tuple[list[list[int]], list[int]]]:
+    """name -> (prompts as token ids, new tokens per request), tokenised by the weights folder's tokenizer."""
+    import json
 
-    _, tokenizer = load_model("smollm2", dtype="bfloat16")
+    from minillm.loading.loader import tokenizer_from_hf
+
+    tokenizer = tokenizer_from_hf(folder, json.loads((folder / "config.json").read_text()))
     return {name: make_workload(tokenizer, n, prompt_range, output_range, seed)
             for name, (n, prompt_range, output_range, seed) in (QUICK_WORKLOADS if quick else WORKLOADS).items()}
 
@@ -224,7 +227,7 @@ def profiles(workers: dict[str, common.Worker], work: dict, trace_dir: Path, tim
 
 def run(quick: bool) -> dict:
     folder = weights_folder()
-    work = workloads(quick)
+    work = workloads(folder, quick)
     trace_dir = peers_dir() / "traces"
     workers, loaded = start(folder, "bfloat16", trace_dir / "vllm-traces")
     try:
