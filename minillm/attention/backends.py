@@ -127,6 +127,14 @@ class TorchBackend:
         out = self.attend_decodes(layer, q, batch)
         return out if not batch.prefills else self.attend_prefills(layer, q, batch, out)
 
+    def forward_outside_graph(self, layer: int, batch, q, k, v):
+        """forward, for the runner's compiled batched step, which calls it through torch.compiler.disable
+        (Dynamo then compiles the layer's pieces around the call, layer.compiled_layer). The output's rows
+        are marked symbolic for the piece after it: the row count is the one size that changes between steps."""
+        out = self.forward(layer, q, k, v, batch)
+        torch._dynamo.mark_dynamic(out, 0)
+        return out
+
     def store(self, layer: int, k, v, slot_mapping) -> None:
         self.kv.store(layer, k, v, slot_mapping)
 

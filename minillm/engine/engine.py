@@ -69,7 +69,7 @@ class Engine:
             self.kv = PagedKVCache(cfg, num_kv_blocks, cache.block_size, dtype, llm.device, cache.kv_cache_dtype)
             self.runner = ModelRunner(llm.model, self.kv, llm.rope, prepack_rows=sched.max_num_seqs,
                                       triton_on_cpu=triton_on_cpu, tune_kernels=config.run.tune_kernels,
-                                      compile_decode=True, attention_backend=config.run.attention_backend)
+                                      compile_steps=True, attention_backend=config.run.attention_backend)
             if not config.run.enforce_eager and speculation is None:     # drafts make multi-token rows: eager
                 self.runner.graphs = make_decode_graphs(self.runner, sched.max_num_seqs, config.blocks_per_sequence)
         else:           # tensor/pipeline parallel: each rank builds its part of the cache (minillm/parallel); no graphs

@@ -14,9 +14,11 @@ What differs between the ways the engine runs this layer is data, not code:
   gate, up from ONE: fused once, at load time (transforms.fuse_projections). qk_norm: None, or
   the (q_norm, k_norm) weights (D,) of a model that RMS-normalises each head of q and k (Qwen3).
 - `attention`: a closure over the step's attention metadata (model/runner.py).
-- compiled or not: a decode-only step on CPU runs this same function under torch.compile
-  (compiled_decode_layer below), which turns each layer into a few generated loops; the
-  eager run is op by op.
+- compiled or not, on CPU: a step whose only row is one decode token runs this same function under
+  torch.compile with its attention inside (compiled_decode_layer below: each layer becomes a few
+  generated loops); a step of more rows runs it under torch.compile too, with the attention call
+  left out of the graph (compiled_layer: the pieces between attention calls are compiled, vLLM's
+  piecewise compilation; attention runs as its backend wrote it). The eager run is op by op.
 """
 from __future__ import annotations
 
@@ -136,7 +138,7 @@ def decoder_layer(h: torch.Tensor, weights: tuple, rope, attention, n_heads: int
         qk = torch.cat([F.rms_norm(qk[:, :Hq], (D,), q_norm, eps), F.rms_norm(qk[:, Hq:], (D,), k_norm, eps)], 1)
     qk = rope(qk)
     out = attention(qk[:, :Hq], qk[:, Hq:], v.view(N, Hkv, D))                   # (N, Hq, D)
-    h = h + project(wo, out.reshape(N, Hq * D))
+    h = h + project(wo, out.flatten(1))                                      # (N, Hq*D) -> (N, dim)
     gate, up = project(gate_up, F.rms_norm(h, ffn_norm.shape, ffn_norm, eps)).chunk(2, dim=-1)   # (N, ffn) each
     return h + project(down, F.silu(gate) * up)
 
@@ -169,3 +171,7 @@ def paged_decode_layer(h: torch.Tensor, weights: tuple, cos: torch.Tensor, sin: 
 # (tests/model/test_one_path.py counts the symbols a second model's step creates).
 compiled_decode_layer = compile_on_first_call(paged_decode_layer, dynamic=False)
 compiled_head = compile_on_first_call(gemv, dynamic=False)   # the tied LM head of a compiled decode step
+# The same layer for a step of any number of rows (>= 2, the one size the runner marks symbolic): the attention
+# callable it is given is left out of the graph (backends.TorchBackend.forward_outside_graph), so Dynamo compiles the
+# norm, QKV GEMM and RoPE before it as one graph and the output GEMM, residuals, MLP after it as another.
+compiled_layer = compile_on_first_call(decoder_layer, dynamic=False)

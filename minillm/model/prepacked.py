@@ -20,6 +20,10 @@ and the choice recorded on the runner (`runner.gemm_libraries`). Skipped (tune=F
 takes `default_library`: MKL for fp32, whose packed GEMM gives F.linear's very bits. Nothing is
 timed anywhere else, and nothing is remembered between engines.
 
+Under torch.compile (the runner's compiled batched step) the call goes through one custom op,
+minillm::prepacked_linear: oneDNN's packed weight is an opaque MKLDNN tensor that Inductor lowers
+only as a constant of a frozen graph, so the op hands Inductor an external call it does not open.
+
 The cost: a second copy of every packed weight (the original stays: the batch-1 path and
 state_dict read it). Packed once: a weight changed afterwards is not seen (build a new engine).
 Measured in results/engine-step.json (bench engine-step, prepacked vs not on the same engine).
@@ -115,6 +119,23 @@ def choose_libraries(weights: Iterable[torch.Tensor], rows: int, tune: bool = Tr
     return chosen
 
 
+def _packed_gemm(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, rows: int, library: str) -> torch.Tensor:
+    """x (N, in) -> (N, out) through the library's packed copy of weight (out, in)."""
+    if library == "mkl":
+        return torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
+
+
+# The GEMM as an op torch.compile keeps whole (module docstring). Defined with torch.library.Library rather
+# than torch.library.custom_op: the latter's Python wrapper cost ~20 us per call here, against ~5.
+if not hasattr(torch.ops.minillm, "prepacked_linear"):
+    _LIBRARY = torch.library.Library("minillm", "FRAGMENT")
+    _LIBRARY.define("prepacked_linear(Tensor x, Tensor packed, Tensor weight, int rows, str library) -> Tensor")
+    _LIBRARY.impl("prepacked_linear", _packed_gemm, "CompositeExplicitAutograd")
+    torch.library.register_fake("minillm::prepacked_linear", lib=_LIBRARY)(
+        lambda x, packed, weight, rows, library: x.new_empty(x.shape[0], weight.shape[0]))
+
+
 class PrepackedLinear:
     """y = x @ weight.T with weight (out, in) prepacked for batches of about `rows` rows."""
 
@@ -139,9 +160,9 @@ class PrepackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, in) -> (N, out)."""
-        if self.library == "mkl":
-            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, None, self.rows)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
+        if torch.compiler.is_compiling():
+            return torch.ops.minillm.prepacked_linear(x, self.packed, self.weight, self.rows, self.library)
+        return _packed_gemm(x, self.packed, self.weight, self.rows, self.library)
 
 
 def prepack_or_none(module, rows: int, libraries: dict[str, str]) -> PrepackedLinear | None:

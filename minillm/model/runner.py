@@ -22,8 +22,10 @@ How the layer runs is chosen once, here, from what the model is: its weights pre
 GEMM libraries, int8/int4 packs for a quantised model, the module itself otherwise (eager_weights);
 a step whose only row is one decode token runs the same layer under torch.compile
 (layer.compiled_decode_layer, NEW: compiled decode step) over a copy of the float weights laid out
-for one-token GEMVs (transforms.gemv_blocks); on a GPU a step whose every row is one
-decode token replays a CUDA graph (minillm/model/cuda_graphs.py).
+for one-token GEMVs (transforms.gemv_blocks); a step of more rows over prepacked weights runs it
+under torch.compile as well, attention left out of the graph (layer.compiled_layer, NEW: compiled
+batched step); on a GPU a step whose every row is one decode token replays a CUDA graph
+(minillm/model/cuda_graphs.py).
 """
 from __future__ import annotations
 
@@ -37,9 +39,10 @@ from minillm.attention.backends import Run, choose_backend, make_backend
 from minillm.attention.paged import block_table_tensor, copy_blocks, gather_kv, store_kv_reference
 from minillm.kernel_support.args import INTERPRETED
 from . import prepacked
-from .layer import compiled_decode_layer, compiled_head, compiled_or_eager, decoder_layer, gemv, paged_decode_layer
+from .layer import (compiled_decode_layer, compiled_head, compiled_layer, compiled_or_eager, decoder_layer, gemv,
+                    paged_decode_layer)
 from .llama import Llama, ModelConfig
-from .positions import RopeTable, apply_rope_complex
+from .positions import RopeTable, apply_rope, apply_rope_complex
 from .transforms import gemv_blocks, is_fused
 
 
@@ -258,15 +261,17 @@ class ModelRunner:
     """Runs PagedBatches of one model over one PagedKVCache, every layer by layer.decoder_layer."""
 
     def __init__(self, model: Llama, kv: PagedKVCache, rope: RopeTable, prepack_rows: int | None = None,
-                 triton_on_cpu: bool = False, tune_kernels: bool = True, compile_decode: bool = False,
+                 triton_on_cpu: bool = False, tune_kernels: bool = True, compile_steps: bool = False,
                  attention_backend: str = "sdpa"):
         """prepack_rows: on CPU, lay the float weights out once for batches of about this many rows
         (minillm/model/prepacked.py; the engine passes max_num_seqs); None: plain F.linear.
         tune_kernels: the build's one timing step: MKL against oneDNN per weight shape
         (prepacked.choose_libraries); False: the recorded defaults. What was chosen: self.gemm_libraries.
-        compile_decode: on CPU, a step whose only row is one decode token runs the same layer under
+        compile_steps: on CPU, a step whose only row is one decode token runs the same layer under
         torch.compile (layer.compiled_decode_layer) over the weights as int8/int4 packs or, float
-        ones, as a copy in row blocks (transforms.gemv_blocks).
+        ones, as a copy in row blocks (transforms.gemv_blocks); a step of more rows, where every
+        projection is prepacked, runs it under torch.compile with attention outside the graph
+        (layer.compiled_layer).
         triton_on_cpu: run the GPU path (Triton store + paged decode kernel) on CPU tensors under
         TRITON_INTERPRET=1, so that tests on a CPU machine cover what a GPU runs.
         attention_backend: how prefill runs attend (model.ATTENTION_BACKENDS); the paged backend itself
@@ -279,6 +284,7 @@ class ModelRunner:
                              "is imported (the Triton kernels run on CPU only in the interpreter)")
         self.graphs = None                      # NEW: CUDA graphs; a cuda_graphs.DecodeGraphs set by the engine
         self.compiled_decode_steps = 0          # tests prove the compiled decode step ran
+        self.compiled_batched_steps = 0         # ... and the compiled batched step
         self.compile_failed: str | None = None  # why torch.compile could not build here: eager from then on
         self.window = model.cfg.sliding_window  # each row sees its last `window` keys (Mistral); None: all
         self.attention = make_backend(choose_backend(kv, triton_on_cpu), kv, attention_backend, self._run, self.window)
@@ -287,12 +293,14 @@ class ModelRunner:
             self.gemm_libraries = prepacked.choose_libraries(self._prepackable_weights(), prepack_rows, tune_kernels)
         self.layer_weights, self.packed_head = self._eager_weights(prepack_rows, self.gemm_libraries)
         self.decode_weights = self.decode_head = None   # the compiled step's layers and tied head (row blocks)
-        if compile_decode and self.attention.name == "cpu-fused":
+        if compile_steps and self.attention.name == "cpu-fused":
             self.decode_weights, self.decode_head = self._compiled_weights()
+        layers = self.packed_layers
+        self.compile_batched = compile_steps and bool(layers) and all(p is not None for ps in layers for p in ps)
 
     def drop_prepacked(self) -> None:
         """Run on plain F.linear from now on (frees the packed copies; bench engine-step compares)."""
-        self.prepacking, self.gemm_libraries = False, {}
+        self.prepacking, self.gemm_libraries, self.compile_batched = False, {}, False
         self.layer_weights, self.packed_head = self._eager_weights(None, {})
 
     # --- the weights each layer is run with (layer.decoder_layer's `weights`) -------------------
@@ -405,12 +413,31 @@ class ModelRunner:
     def forward_layers(self, h: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         """h (N, dim) through every layer of self.model (a pipeline stage runs only its own)."""
         cfg = self.model.cfg
+        self.attention.begin_step(batch)
+        if self.compile_batched and h.shape[0] > 1 and self.compile_failed is None:
+            return self._forward_layers_compiled(h, batch)               # NEW: compiled batched step
         rotation = self.rope.rotation[batch.positions][:, None]          # (N, 1, D/2) complex
         rope = functools.partial(apply_rope_complex, rotation=rotation)  # one complex multiply for q and k
-        self.attention.begin_step(batch)
         for i, weights in enumerate(self.layer_weights):
             attention = functools.partial(self.attention.forward, i, batch=batch)   # (q, k, v) -> (N, Hq, D)
             h = decoder_layer(h, weights, rope, attention, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps)
+        return h
+
+    def _forward_layers_compiled(self, h: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        """forward_layers by layer.compiled_layer (eagerly, where compiling fails): the layer's pieces
+        between attention calls compiled once for any row count N >= 2 (marked symbolic), attention
+        run by the backend outside the graph, RoPE by cos and sin (Inductor generates no complex
+        arithmetic)."""
+        cfg = self.model.cfg
+        cos, sin = self._cos_sin(batch.positions)                        # (N, 1, D/2) each
+        for t in (h, cos, sin):
+            torch._dynamo.mark_dynamic(t, 0)
+        rope = functools.partial(apply_rope, cos=cos, sin=sin)
+        for i, weights in enumerate(self.layer_weights):
+            attention = functools.partial(attention_outside_graph(), self.attention, i, batch)   # (q, k, v) -> (N, Hq, D)
+            h = self._run(compiled_layer, decoder_layer, h, weights, rope, attention, cfg.n_heads, cfg.n_kv_heads,
+                          cfg.norm_eps)
+        self.compiled_batched_steps += 1
         return h
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -440,6 +467,15 @@ class ModelRunner:
             return self.model.logits(h)                                  # (1, V)
         x = self.model.norm(h)[0]                                        # (dim,)
         return self._run(compiled_head, gemv, self.decode_head, x)[None]  # (1, V): the tied head as one GEMV
+
+
+@functools.cache
+def attention_outside_graph():
+    """The backends' forward_outside_graph under torch.compiler.disable (a graph break: the compiled batched
+    step's graphs end before it and resume after it), built at first use: torch.compiler imports Dynamo."""
+    from minillm.attention.backends import TorchBackend
+
+    return torch.compiler.disable(TorchBackend.forward_outside_graph)
 
 
 def _one_decode_row(batch: PagedBatch) -> bool:

@@ -213,7 +213,7 @@ class DraftPool:
     """A draft model's forward, the production one: ONE runner.ModelRunner over ONE PagedKVCache
     of its own, shared by every request that drafts with that model (each a ModelDraft holding its own
     blocks). The runner is the engine's: layer.decoder_layer, one-token steps by the compiled decode
-    step (compile_decode=True), one attention backend; built with prepack_rows=None and
+    step (compile_steps=True), one attention backend; built with prepack_rows=None and
     tune_kernels=False, so building it times nothing and copies no weight.
 
     Why one runner shared by requests, not a cache per request: the compiled decode step is guarded on
@@ -239,7 +239,7 @@ class DraftPool:
         self.group_cost = None if self.runner.use_triton else GROUP_COST_BLOCKS
 
     def _runner(self, kv: PagedKVCache) -> ModelRunner:
-        return ModelRunner(self.model, kv, self.rope, prepack_rows=None, tune_kernels=False, compile_decode=True,
+        return ModelRunner(self.model, kv, self.rope, prepack_rows=None, tune_kernels=False, compile_steps=True,
                            attention_backend=self.attention_backend)
 
     @property
