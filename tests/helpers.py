@@ -139,3 +139,20 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     stat = ((counts[keep].double() - expected) ** 2 / expected).sum()
     df = int(keep.sum()) - 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def paged_case(lengths, num_heads, num_kv_heads, head_dim=16, block_size=4, dtype=torch.float32, seed=0):
+    """q (B, Hq, D), a pool whose blocks are scattered and filled with noise, int64 block tables
+    (B, n) padded with block 0, and seq_lens (B,)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(per_seq) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(lengths), max(per_seq), dtype=torch.long)
+    for row, nb in enumerate(per_seq):
+        tables[row, :nb] = torch.tensor(order[:nb])
+        order = order[nb:]
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lengths)

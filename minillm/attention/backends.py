@@ -14,6 +14,9 @@ runs of more tokens (a prefill chunk) as Run records.
                  gather dequantises)
     "cpu-fused"  decode rows read their blocks in place by a compiled loop
                  (attention.paged.decode_attention_fused): no gathered copy, no fp32 copy
+    "cpu"        what a CPU runs where a C compiler is found: every decode row in one call of a
+                 hand-written C kernel (attention/cpu_decode.c), each row's blocks read once for all the
+                 query heads of a KV head and only up to its own length (NEW: no groups by length)
     "triton"     what a GPU runs: the Triton store and paged decode kernel (kernels/paged_attention.py),
                  every decode row in one launch
 
@@ -32,7 +35,7 @@ from minillm.model.layer import compile_on_first_call
 from minillm.model.llama import attention_function, sdpa_attention
 from .paged import decode_attention_fused, gather_kv
 
-BACKENDS = ("torch", "cpu-fused", "triton")
+BACKENDS = ("torch", "cpu-fused", "cpu", "triton")
 
 
 @dataclass
@@ -105,6 +108,7 @@ def decode_attention_gathered(q, k_cache, v_cache, block_tables, seq_lens, windo
 class TorchBackend:
     """Gather, then SDPA: the reference every other backend is tested against."""
     name = "torch"
+    groups_decodes = True                       # decode rows come in groups by length (runner.group_by_length)
 
     def __init__(self, kv, prefill: str = "sdpa", run_compiled=None, window: int | None = None):
         """kv: the PagedKVCache; prefill: the attention function of prefill runs (model.ATTENTION_BACKENDS);
@@ -218,21 +222,17 @@ class CpuFusedBackend(TorchBackend):
                                  qd, self.kv.k[layer], self.kv.v[layer], g.tables, g.seq_lens, self.window)   # (Bg, Hq, D)
 
 
-class TritonBackend(TorchBackend):
-    """The Triton store and paged decode kernel for every decode row; prefill runs as TorchBackend."""
-    name = "triton"
-
-    def store(self, layer: int, k, v, slot_mapping) -> None:
-        from kernels.paged_attention import store_kv
-        store_kv(k, v, self.kv.k[layer], self.kv.v[layer], slot_mapping, slots_checked=True)   # the block manager's
+class AllDecodesBackend(TorchBackend):
+    """Every decode row in one kernel call (self.decode), each row over its own blocks and length, so no
+    groups by length; prefill runs (and speculative runs of several tokens) attend as in TorchBackend."""
+    groups_decodes = False
 
     def attend_decodes(self, layer: int, q, batch):
         if not batch.decode_rows.numel():
             return None
-        from kernels.paged_attention import paged_attention_decode
         only_decodes = not batch.prefills                                 # rows are 0..N-1 in order
         qd = q if only_decodes else q[batch.decode_rows]                  # (Bd, Hq, D)
-        od = paged_attention_decode(qd, self.kv.k[layer], self.kv.v[layer], batch.decode_tables, batch.decode_lens)
+        od = self.decode(qd, self.kv.k[layer], self.kv.v[layer], batch.decode_tables, batch.decode_lens)
         if only_decodes:
             return od
         out = torch.empty_like(q)
@@ -240,12 +240,38 @@ class TritonBackend(TorchBackend):
         return out
 
 
-def choose_backend(kv, triton: bool) -> str:
+class CpuKernelBackend(AllDecodesBackend):
+    """Decode rows by the C kernel of attention/cpu_decode.c; the rest as TorchBackend."""
+    name = "cpu"
+
+    def decode(self, q, k_cache, v_cache, tables, lens):
+        from .cpu_decode import decode_attention
+        return decode_attention(q, k_cache, v_cache, tables, lens, self.window)   # (Bd, Hq, D)
+
+
+class TritonBackend(AllDecodesBackend):
+    """The Triton store and paged decode kernel for every decode row; prefill runs as TorchBackend."""
+    name = "triton"
+
+    def store(self, layer: int, k, v, slot_mapping) -> None:
+        from kernels.paged_attention import store_kv
+        store_kv(k, v, self.kv.k[layer], self.kv.v[layer], slot_mapping, slots_checked=True)   # the block manager's
+
+    def decode(self, q, k_cache, v_cache, tables, lens):
+        from kernels.paged_attention import paged_attention_decode
+        return paged_attention_decode(q, k_cache, v_cache, tables, lens)
+
+
+def choose_backend(kv, triton: bool, n_heads: int) -> str:
     """The backend for this cache and device: the Triton kernels on a GPU (or forced on CPU, under the
-    interpreter) for a cache in the model's dtype; on CPU the fused kernel; an int8/fp8 cache: torch."""
+    interpreter) for a cache in the model's dtype; on CPU the C kernel where it builds and takes this head
+    layout (n_heads query heads), else the compiled PyTorch kernel; an int8/fp8 cache: torch."""
     if kv.quantized:
         return "torch"
-    return "triton" if triton or kv.k.device.type == "cuda" else "cpu-fused"
+    if triton or kv.k.device.type == "cuda":
+        return "triton"
+    from . import cpu_decode
+    return "cpu" if cpu_decode.usable(n_heads, kv.k) else "cpu-fused"
 
 
 def make_backend(name: str, kv, prefill: str = "sdpa", run_compiled=None, window: int | None = None) -> TorchBackend:
@@ -257,5 +283,14 @@ def make_backend(name: str, kv, prefill: str = "sdpa", run_compiled=None, window
     if name == "triton" and kv.quantized:
         raise ValueError("the 'triton' attention backend reads the cache in the model's dtype; an int8/fp8 "
                          "KV cache needs 'torch' (its gather dequantises)")
-    cls = {"torch": TorchBackend, "cpu-fused": CpuFusedBackend, "triton": TritonBackend}[name]
+    if name == "cpu":
+        from . import cpu_decode
+        if kv.quantized or not cpu_decode.supports(kv.k.shape[-2], kv.k):
+            raise ValueError("the 'cpu' attention backend reads a CPU cache in fp32 or bf16 with a head size that is a "
+                             "multiple of 16; an int8/fp8 KV cache needs 'torch', a GPU 'triton', others 'cpu-fused'")
+        lib, why = cpu_decode.kernel()
+        if lib is None:
+            raise ValueError(f"the 'cpu' attention backend's C kernel is not available here ({why}); "
+                             "'cpu-fused' runs without it")
+    cls = {"torch": TorchBackend, "cpu-fused": CpuFusedBackend, "cpu": CpuKernelBackend, "triton": TritonBackend}[name]
     return cls(kv, prefill, run_compiled, window)

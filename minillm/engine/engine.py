@@ -32,7 +32,7 @@ from minillm.config import EngineConfig, resolve_num_kv_blocks
 from minillm.kvcache.block_manager import BlockManager
 from minillm.model.cuda_graphs import make_decode_graphs
 from minillm.model.runner import GROUP_COST_BLOCKS, ModelRunner, PagedKVCache, build_batch
-from .request import Request, RequestStatus
+from .request import Request
 from .scheduler import Scheduler
 
 STEP_LOG_LEN = 10_000                   # engine.step_log keeps the last this many steps (a server runs for days)
@@ -75,8 +75,8 @@ class Engine:
         else:           # tensor/pipeline parallel: each rank builds its part of the cache (minillm/parallel); no graphs
             self.kv, self.runner = llm.parallel.start_engine(llm.model, llm.rope, num_kv_blocks, cache.block_size,
                                                              cache.kv_cache_dtype)
-        # runner.group_by_length, for CPU attention; the GPU kernel takes every row at once
-        self.decode_group_cost = None if self.runner.use_triton else GROUP_COST_BLOCKS
+        # runner.group_by_length, for the gathering CPU backends; the C and Triton kernels take every decode row
+        self.decode_group_cost = GROUP_COST_BLOCKS if self.runner.attention.groups_decodes else None
         self.requests: dict[str, Request] = {}
         self.step_log = StepLog(maxlen=STEP_LOG_LEN)
         self.speculation = speculation          # a speculative.engine.EngineSpeculation, or None

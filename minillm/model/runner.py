@@ -11,10 +11,11 @@ concatenates them all into ONE flat sequence of N tokens, so every linear layer 
 
 Every layer is layer.decoder_layer, written once; only attention needs to know where one request
 ends and the next begins, and that is the attention backend's business (minillm/attention/backends.py: the
-Triton kernels on a GPU, a compiled kernel that reads each request's blocks in place on CPU, gather
-+ SDPA for an int8/fp8 cache), reading the step's metadata built here once (build_batch):
-- decode rows (one new token each) attend together: on CPU in groups of rows of similar length, so
-  that short requests are not padded to the longest one (group_by_length);
+Triton kernels on a GPU, a C kernel that reads each request's blocks in place on CPU, gather + SDPA
+for an int8/fp8 cache), reading the step's metadata built here once (build_batch):
+- decode rows (one new token each) attend together: all in one kernel call (Triton, C), or, for the
+  backends that gather, in groups of rows of similar length, so that short requests are not padded
+  to the longest one (group_by_length);
 - a prefill chunk of T tokens after `start` cached ones attends to start + T keys, causally with an
   offset (query t sees keys 0..start + t).
 
@@ -158,8 +159,8 @@ class PagedBatch:
     slot_mapping: torch.Tensor     # (N,) int64
     logits_rows: torch.Tensor      # (K,) rows of the N whose logits are returned
     decode_rows: torch.Tensor      # (Bd,) rows that are single decode tokens
-    decode_tables: torch.Tensor    # (Bd, max_blocks) int32 block tables, for the GPU kernel
-    decode_lens: torch.Tensor      # (Bd,) int32 keys per decode row, for the GPU kernel
+    decode_tables: torch.Tensor    # (Bd, max_blocks) int32 block tables, for the one-call kernels (Triton, C)
+    decode_lens: torch.Tensor      # (Bd,) int32 keys per decode row, for the same
     decode_groups: list            # [DecodeGroup], for the CPU path
     prefills: list                 # [attention.Run] with blocks (1, n) int32: runs attended one by one
     grouped_runs: list             # [attention.Run] runs of T > 1 inside decode_groups (speculative drafts)
@@ -171,7 +172,7 @@ def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_lo
                 window: int | None = None) -> PagedBatch:
     """runs: per request (new token ids, start position, block table, slots of the new tokens).
     want_logits per run: "last" (the last row), "all" (every row) or "none".
-    group_cost None: no decode groups (the GPU kernel handles every length in one launch).
+    group_cost None: no decode groups (the Triton or C kernel takes every length in one call).
     window: the model's sliding window, which the decode groups' masks apply."""
     tokens, positions, slots, logits_rows = [], [], [], []
     dec_rows, dec_lens, dec_tables, prefills = [], [], [], []
@@ -287,13 +288,14 @@ class ModelRunner:
         self.compiled_batched_steps = 0         # ... and the compiled batched step
         self.compile_failed: str | None = None  # why torch.compile could not build here: eager from then on
         self.window = model.cfg.sliding_window  # each row sees its last `window` keys (Mistral); None: all
-        self.attention = make_backend(choose_backend(kv, triton_on_cpu), kv, attention_backend, self._run, self.window)
+        self.attention = make_backend(choose_backend(kv, triton_on_cpu, model.cfg.n_heads), kv, attention_backend,
+                                      self._run, self.window)
         self.prepacking = prepack_rows is not None and self.fused and kv.k.device.type == "cpu"
         if self.prepacking:                     # the build's one GEMM timing step (or the recorded defaults)
             self.gemm_libraries = prepacked.choose_libraries(self._prepackable_weights(), prepack_rows, tune_kernels)
         self.layer_weights, self.packed_head = self._eager_weights(prepack_rows, self.gemm_libraries)
         self.decode_weights = self.decode_head = None   # the compiled step's layers and tied head (row blocks)
-        if compile_steps and self.attention.name == "cpu-fused":
+        if compile_steps and self.attention.name in ("cpu", "cpu-fused"):
             self.decode_weights, self.decode_head = self._compiled_weights()
         layers = self.packed_layers
         self.compile_batched = compile_steps and bool(layers) and all(p is not None for ps in layers for p in ps)
@@ -450,8 +452,8 @@ class ModelRunner:
         where compiling fails) -> logits (1, V). The block table is padded to at least 2 blocks
         (a repeat past seq_len, masked): torch would specialise a size of 1 into a graph of its own."""
         cfg = self.model.cfg
-        group = batch.decode_groups[0]
-        tables = group.tables if group.tables.shape[1] > 1 else group.tables.repeat(1, 2)   # (1, n >= 2)
+        tables = batch.decode_tables.long()                              # (1, n)
+        tables = tables if tables.shape[1] > 1 else tables.repeat(1, 2)  # (1, n >= 2)
         torch._dynamo.maybe_mark_dynamic(tables, 1)
         k_caches, v_caches = self.kv.k.unbind(0), self.kv.v.unbind(0)   # L x (num_blocks, bs, Hkv, D) views
         for cache in (k_caches[0], v_caches[0]):                         # the pool's size differs per engine
@@ -460,7 +462,7 @@ class ModelRunner:
         h = self.model.embed.weight.detach()[batch.tokens]               # (1, dim) gathered: not a view
         for i, weights in enumerate(self.decode_weights):
             h = self._run(compiled_decode_layer, paged_decode_layer, h, weights, cos, sin, k_caches[i], v_caches[i],
-                          batch.slot_mapping, tables, group.seq_lens, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps,
+                          batch.slot_mapping, tables, batch.decode_lens.long(), cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps,
                           self.window)
         self.compiled_decode_steps += 1
         if self.model.lm_head is not None:                               # an untied or quantised head
@@ -480,7 +482,7 @@ def attention_outside_graph():
 
 def _one_decode_row(batch: PagedBatch) -> bool:
     """The step is a single decode token (one request, one row): what the compiled step runs."""
-    return batch.tokens.shape[0] == 1 and not batch.prefills and len(batch.decode_groups) == 1
+    return batch.tokens.shape[0] == 1 and batch.decode_rows.numel() == 1
 
 
 def _packs(modules, model: Llama):

@@ -236,7 +236,7 @@ class DraftPool:
         self.free = list(range(num_blocks))[::-1]                      # pop() hands out block 0 first
         self.runner = self._runner(PagedKVCache(model.cfg, num_blocks, block_size, weight.dtype, weight.device))
         # runner.group_by_length on CPU; the GPU kernel takes every row at once (as the engine)
-        self.group_cost = None if self.runner.use_triton else GROUP_COST_BLOCKS
+        self.group_cost = GROUP_COST_BLOCKS if self.runner.attention.groups_decodes else None
 
     def _runner(self, kv: PagedKVCache) -> ModelRunner:
         return ModelRunner(self.model, kv, self.rope, prepack_rows=None, tune_kernels=False, compile_steps=True,

@@ -5,28 +5,12 @@ gather + SDPA, with the calls counted."""
 import pytest
 import torch
 
-from helpers import CharTokenizer, random_prompts, symbols_created
+from helpers import CharTokenizer, paged_case, random_prompts, symbols_created
 from minillm import LLM, SamplingParams
 from minillm.attention.backends import decode_attention_gathered, fused_decode_attention, make_backend
 from minillm.attention.paged import paged_attention_reference
 from minillm.model.llama import random_model, tiny_config
-
-
-def paged_case(lengths, num_heads, num_kv_heads, head_dim=16, block_size=4, dtype=torch.float32, seed=0):
-    """q (B, Hq, D), a pool whose blocks are scattered and filled with noise, int64 block tables
-    (B, n) padded with block 0, and seq_lens (B,)."""
-    gen = torch.Generator().manual_seed(seed)
-    per_seq = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(per_seq) + 3
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.zeros(len(lengths), max(per_seq), dtype=torch.long)
-    for row, nb in enumerate(per_seq):
-        tables[row, :nb] = torch.tensor(order[:nb])
-        order = order[nb:]
-    q = torch.randn(len(lengths), num_heads, head_dim, generator=gen).to(dtype)
-    return q, k_cache, v_cache, tables, torch.tensor(lengths)
+from minillm.model.runner import GROUP_COST_BLOCKS
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (9, 3)])
@@ -75,8 +59,8 @@ def test_engine_runs_the_fused_decode_attention_and_gives_the_gather_paths_token
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm = tiny_llm(max_num_seqs=6)
     runner = llm.engine.runner
-    fused, compiled_weights = runner.attention, runner.decode_weights
-    assert fused.name == "cpu-fused"
+    fused, compiled_weights = make_backend("cpu-fused", runner.kv), runner.decode_weights   # the C kernel's fallback
+    llm.engine.decode_group_cost = GROUP_COST_BLOCKS                    # both backends take groups by length
     runner.attention = make_backend("torch", runner.kv)                 # gather + SDPA
     runner.decode_weights = None                                        # (the compiled one-row step reads in place too)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -1,0 +1,119 @@
+"""The CPU decode attention kernel (cpu_decode.c), built on first use and called through ctypes.
+
+    out = decode_attention(q, k_cache, v_cache, block_tables, seq_lens, window=None)   # (B, Hq, D)
+
+The contract of attention.paged.decode_attention_fused (the loops Inductor generates from PyTorch ops),
+written by hand for the reason vLLM's CPU backend has a C++ attention kernel. The generated loops reduce
+each D-long dot product across a vector register once per key and query head, recompute the block
+index with a bounds check per key, and read each key and value once per query head of a GQA group; the
+hand-written loop reads each key and value row once for the whole group and only up to each row's own
+length, so one call takes every decode row however their lengths differ (cpu_decode.c's comment).
+
+The library is compiled with the C compiler Inductor uses too (`cc`; -O3 -march=native -fopenmp, no
+torch headers: under a second), once per source and CPU, into the model cache (loader.cache_dir()/kernels).
+Where it cannot be built, kernel() says why and the engine keeps the compiled PyTorch kernel
+(attention.backends.choose_backend). A GPU runs kernels/paged_attention.py's Triton kernel instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}     # cpu_decode.c's F32, BF16
+MAX_G, MAX_D, MAX_BLOCK = 16, 256, 256             # cpu_decode.c's limits (query heads per KV head, head size, block)
+
+
+def _cpu_flags() -> str:
+    """This CPU's instruction sets: -march=native compiles for them, and a library built on another CPU
+    could use instructions this one lacks."""
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return os.uname().machine
+
+
+def library_path() -> Path:
+    from minillm.loading.loader import cache_dir
+
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"cpu_decode-{key}.so"
+
+
+@functools.cache
+def kernel() -> tuple[ctypes.CDLL | None, str | None]:
+    """-> (the loaded library, None), or (None, why it could not be built or loaded)."""
+    path = library_path()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            built = Path(tmp) / path.name
+            try:
+                done = subprocess.run([os.environ.get("CC", "cc"), *FLAGS, str(SOURCE), "-o", str(built)],
+                                      capture_output=True, text=True, timeout=120)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                return None, f"the C compiler did not run: {e}"
+            if done.returncode != 0:
+                return None, f"cc failed: {(done.stderr.strip().splitlines() or ['no message'])[-1]}"
+            os.replace(built, path)                                       # whole or not at all, if two build at once
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return None, f"could not load {path.name}: {e}"
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.decode_attention.argtypes = [ptr] * 6 + [ctypes.c_int] + [i64] * 7 + [ctypes.c_float, i64, ctypes.c_int]
+    lib.decode_attention.restype = ctypes.c_int
+    return lib, None
+
+
+def supports(n_heads: int, k_cache: torch.Tensor) -> bool:
+    """The kernel takes a cache of this dtype and layout (k_cache (..., block_size, Hkv, D): one layer's or
+    all layers') with n_heads query heads: CPU, fp32 or bf16, D a multiple of 16, within its limits."""
+    block_size, Hkv, D = k_cache.shape[-3:]
+    return (k_cache.device.type == "cpu" and k_cache.dtype in DTYPES and n_heads % Hkv == 0
+            and n_heads // Hkv <= MAX_G and D % 16 == 0 and D <= MAX_D and block_size <= MAX_BLOCK)
+
+
+def usable(n_heads: int, k_cache: torch.Tensor) -> bool:
+    """The engine can attend with the kernel here: it takes the layout and it builds."""
+    return supports(n_heads, k_cache) and kernel()[0] is not None
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """q (B, Hq, D); k_cache, v_cache (num_blocks, block_size, Hkv, D); block_tables (B, n) and seq_lens (B,)
+    keys per row (>= 1), int32 (others are converted) -> (B, Hq, D) in q's dtype, computed in fp32 with the
+    1/sqrt(D) scale. window: each row sees only its last `window` keys."""
+    lib, why = kernel()
+    if lib is None:
+        raise RuntimeError(f"the CPU decode attention kernel is not available here: {why}")
+    if (q.dim() != 3 or not supports(q.shape[1], k_cache) or not q.dtype == k_cache.dtype == v_cache.dtype
+            or q.shape[2] != k_cache.shape[3] or v_cache.shape != k_cache.shape or q.device.type != "cpu"):
+        raise ValueError(f"cpu_decode takes q (B, Hq, D) and caches (blocks, block_size, Hkv, D) on CPU in one dtype "
+                         f"(fp32 or bf16), D a multiple of 16 up to {MAX_D}, at most {MAX_G} query heads per KV head, "
+                         f"blocks of at most {MAX_BLOCK}; got q {q.dtype} {tuple(q.shape)}, k_cache {k_cache.dtype} "
+                         f"{tuple(k_cache.shape)}, v_cache {v_cache.dtype} {tuple(v_cache.shape)}")
+    if window is not None and window < 1:
+        raise ValueError(f"window = {window!r}; allowed: None or a positive number of keys")
+    q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    tables, lens = block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
+    B, Hq, D = q.shape
+    out = torch.empty_like(q)                                             # (B, Hq, D)
+    failed = lib.decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                                  lens.data_ptr(), out.data_ptr(), DTYPES[q.dtype], B, tables.shape[1], Hq,
+                                  k_cache.shape[2], D, k_cache.shape[1], k_cache.shape[0], D ** -0.5, window or 0,
+                                  torch.get_num_threads())
+    if failed == 2:
+        raise ValueError(f"cpu_decode: a seq_len outside 1 .. {tables.shape[1] * k_cache.shape[1]} (the table's blocks x "
+                         f"block size) or a block number outside 0 .. {k_cache.shape[0] - 1}; nothing was read")
+    if failed:
+        raise ValueError("cpu_decode.c refused the layout")             # supports() checks the same limits
+    return out
