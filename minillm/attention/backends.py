@@ -245,8 +245,8 @@ class CpuKernelBackend(AllDecodesBackend):
     name = "cpu"
 
     def decode(self, q, k_cache, v_cache, tables, lens):
-        from .cpu_decode import decode_attention
-        return decode_attention(q, k_cache, v_cache, tables, lens, self.window)   # (Bd, Hq, D)
+        from .cpu_decode import decode_attention_op
+        return decode_attention_op(q, k_cache, v_cache, tables, lens, self.window)   # (Bd, Hq, D)
 
 
 class TritonBackend(AllDecodesBackend):

@@ -13,6 +13,9 @@ The library is compiled with the C compiler Inductor uses too (`cc`; -O3 -march=
 torch headers: under a second), once per source and CPU, into the model cache (loader.cache_dir()/kernels).
 Where it cannot be built, kernel() says why and the engine keeps the compiled PyTorch kernel
 (attention.backends.choose_backend). A GPU runs kernels/paged_attention.py's Triton kernel instead.
+
+The engine calls it as the op minillm::cpu_decode_attention, so that the torch profiler (bench profile,
+bench peers) sees the kernel's time as an op of its own instead of Python between ops.
 """
 from __future__ import annotations
 
@@ -117,3 +120,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if failed:
         raise ValueError("cpu_decode.c refused the layout")             # supports() checks the same limits
     return out
+
+
+if not hasattr(torch.ops.minillm, "cpu_decode_attention"):
+    _LIBRARY = torch.library.Library("minillm", "FRAGMENT")
+    _LIBRARY.define("cpu_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+                    "Tensor seq_lens, int window) -> Tensor")           # window 0: none
+    _LIBRARY.impl("cpu_decode_attention", lambda q, k_cache, v_cache, tables, lens, window: decode_attention(
+        q, k_cache, v_cache, tables, lens, window or None), "CompositeExplicitAutograd")
+
+
+def decode_attention_op(q, k_cache, v_cache, block_tables, seq_lens, window: int | None = None) -> torch.Tensor:
+    """decode_attention through the op minillm::cpu_decode_attention: what the engine calls."""
+    return torch.ops.minillm.cpu_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, window or 0)

@@ -46,7 +46,8 @@ CLASSES = ("weight matmuls", "attention", "compiled code", "copies, gathers", "o
 MATMUL = ("aten::mm", "aten::addmm", "aten::mv", "aten::linear", "aten::matmul", "aten::_weight_int8pack_mm",
           "aten::_weight_int4pack_mm_for_cpu", "aten::dot")
 ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
-             "aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax", "aten::_safe_softmax")
+             "aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax", "aten::_safe_softmax",
+             "minillm::cpu_decode_attention")
 COPIES = ("aten::copy_", "aten::index", "aten::index_select", "aten::index_put_", "aten::_index_put_impl_",
           "aten::cat", "aten::gather", "aten::scatter", "aten::scatter_", "aten::clone", "aten::to",
           "aten::_to_copy", "aten::contiguous", "aten::stack", "aten::embedding", "aten::take")
@@ -54,7 +55,7 @@ COMPILED = ("Torch-Compiled Region", "CompiledFxGraph", "## Call CompiledFxGraph
 
 
 def op_class(name: str) -> str:
-    if name in MATMUL or name.startswith(("mkldnn::", "mkl::", "aten::mkldnn", "quantized::")):
+    if name in MATMUL or name.startswith(("mkldnn::", "mkl::", "aten::mkldnn", "quantized::", "minillm::prepacked_linear")):
         return "weight matmuls"
     if name in ATTENTION:
         return "attention"
