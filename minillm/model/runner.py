@@ -135,8 +135,9 @@ def group_by_length(num_blocks: list[int], cost: int = GROUP_COST_BLOCKS) -> lis
 
 
 # Runs of up to this many tokens that continue a cached request (a decode token plus speculative
-# drafts: 1 + speculative.MAX_SPECULATIVE_TOKENS) join the decode groups on CPU instead of running
-# attention one request at a time like a prefill chunk.
+# drafts: 1 + speculative.MAX_SPECULATIVE_TOKENS) join the decode groups of the gathering CPU backends
+# instead of running attention one request at a time like a prefill chunk (the C and Triton kernels take
+# one query per row: there such runs attend as prefill chunks).
 MAX_GROUPED_QUERIES = 17
 
 
