@@ -20,14 +20,14 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from . import int4, int8, nf4
+from . import int4, int8, nf4, w8a8
 from .linear import QuantLinear
 
-METHODS = ("int8", "int4", "nf4", "gptq", "awq")
+METHODS = ("int8", "int4", "nf4", "gptq", "awq", "w8a8")
 CALIBRATION_WINDOWS = 8        # token windows of calibration_text() used by GPTQ / AWQ
 # LLM(quantization=...): GPTQ over-fits its Hessians on 8 windows and loses to RTN on text of other
 # domains; on 32 it beats RTN on all four of bench calibration's. AWQ gained nothing from 32 (lesson 04).
-LLM_CALIBRATION_WINDOWS = {"gptq": 32, "awq": CALIBRATION_WINDOWS}
+LLM_CALIBRATION_WINDOWS = {"gptq": 32, "awq": CALIBRATION_WINDOWS, "w8a8": CALIBRATION_WINDOWS}   # w8a8: SmoothQuant
 CALIBRATION_WINDOW = 512       # tokens per window
 
 
@@ -61,17 +61,20 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def quantize_linear(linear: nn.Linear, method: str, *, bits: int = 4, group_size: int = 128,
                     symmetric: bool = False, double_quant: bool = False, block_size: int = 64) -> QuantLinear:
-    """Data-free (RTN-style) quantisation of one layer: int8, int4 (3 or 4 bits) or nf4."""
+    """Data-free (RTN-style) quantisation of one layer: int8, int4 (3 or 4 bits), nf4 or w8a8 (its weight;
+    the activation is quantised at run time)."""
     w = linear.weight.detach()
     if method == "int8":
         return QuantLinear.from_linear(linear, "int8", int8.quantize(w))
+    if method == "w8a8":
+        return QuantLinear.from_linear(linear, "w8a8", w8a8.quantize(w))
     if method == "int4":
         return QuantLinear.from_linear(linear, "int", int4.quantize(w, bits, group_size, symmetric),
                                        {"bits": bits, "group_size": group_size})
     if method == "nf4":
         return QuantLinear.from_linear(linear, "nf4", nf4.quantize(w, block_size, double_quant),
                                        {"block": block_size})
-    raise ValueError(f"method = {method!r} has no data-free quantiser; allowed: 'int8', 'int4', 'nf4'")
+    raise ValueError(f"method = {method!r} has no data-free quantiser; allowed: 'int8', 'int4', 'nf4', 'w8a8'")
 
 
 def _check_args(model, method, bits, group_size, calibration_ids):
@@ -98,8 +101,9 @@ def quantize_model(model, method: str, *, bits: int = 4, group_size: int = 128, 
 
     bits, group_size, symmetric: for int4 (RTN), gptq and awq (bits 3 or 4).
     double_quant, block_size (kw, default 64): for nf4.
-    calibration_ids: (N, T) token ids for gptq / awq; kw go to gptq.quantize_model_gptq /
-    awq.quantize_model_awq (e.g. act_order, blocksize, damp; n_grid).
+    calibration_ids: (N, T) token ids for gptq / awq (required) and w8a8 (optional: SmoothQuant first); kw go
+    to gptq.quantize_model_gptq / awq.quantize_model_awq / w8a8.quantize_model_w8a8 (e.g. act_order,
+    blocksize, damp; n_grid; alpha).
     lm_head: None keeps the LM head in full precision; "int8" gives it an int8 copy of its own
     (quantize_lm_head)."""
     _check_args(model, method, bits, group_size, calibration_ids)
@@ -112,6 +116,8 @@ def quantize_model(model, method: str, *, bits: int = 4, group_size: int = 128, 
         from .gptq import quantize_model_gptq
         return quantize_model_gptq(model, as_ids(calibration_ids, model), bits=bits, group_size=group_size,
                                    symmetric=symmetric, **kw)
+    if method == "w8a8":                                  # smoothed first where calibration ids are given
+        return w8a8.quantize_model_w8a8(model, None if calibration_ids is None else as_ids(calibration_ids, model), **kw)
     if method == "awq":
         from .awq import quantize_model_awq
         return quantize_model_awq(model, as_ids(calibration_ids, model), bits=bits, group_size=group_size,

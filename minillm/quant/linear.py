@@ -14,6 +14,9 @@ Formats ("fmt") and their stored tensors:
     "int"   packed uint8, scale fp16 (out, in/G), [zero uint8], [perm]     minillm/quant/int4.py
             (RTN, GPTQ and AWQ all produce this; bits 3 or 4)
     "nf4"   packed uint8 (out, in/2), absmax fp32 or its 8-bit form         minillm/quant/nf4.py
+    "w8a8"  q int8 (out, in), scale fp32 (out, 1)                          minillm/quant/w8a8.py
+            (W8A8: the activation is quantised too, per token at run time, and the product is an int8 GEMM;
+            forward and forward_reference compute that, not F.linear with the dequantised weight)
 """
 from __future__ import annotations
 
@@ -21,10 +24,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import cpu_kernels, int4, int8, nf4
+from . import cpu_kernels, int4, int8, nf4, w8a8
 from .w4a16 import supports, w4a16_linear
 
-DEQUANTIZE = {"int8": int8.dequantize, "int": int4.dequantize, "nf4": nf4.dequantize}
+DEQUANTIZE = {"int8": int8.dequantize, "int": int4.dequantize, "nf4": nf4.dequantize, "w8a8": int8.dequantize}
 
 
 class QuantLinear(nn.Module):
@@ -55,6 +58,8 @@ class QuantLinear(nn.Module):
         return DEQUANTIZE[self.fmt](**self.quantized_tensors(), **self.params)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:    # (..., in) -> (..., out)
+        if self.fmt == "w8a8":                                # the library's int8 GEMM, or the plain sum
+            return w8a8.linear(x, self.q, self.scale, self.bias, reference=not self.use_cpu_kernel)
         if x.is_cuda and _fused_available(self):
             return w4a16_linear(x, self)
         if cpu_kernels.applies(self, x):
@@ -62,7 +67,9 @@ class QuantLinear(nn.Module):
         return self.forward_reference(x)
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:    # (..., in) -> (..., out)
-        """The definition: F.linear(x, dequantize(W)) in x's dtype."""
+        """The definition: F.linear(x, dequantize(W)) in x's dtype (W8A8: its integer product, summed plainly)."""
+        if self.fmt == "w8a8":
+            return w8a8.linear(x, self.q, self.scale, self.bias, reference=True)
         w = self.dequantize().to(x.dtype)                    # (out, in): exists only for this call
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 

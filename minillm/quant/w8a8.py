@@ -48,29 +48,24 @@ def int_matmul(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(qx, qw.t())
 
 
-class W8A8Linear(nn.Module):
-    """nn.Linear with its weight stored as int8 per output channel and its input quantised per token at run
-    time: y = (q_x @ q_w^T) * s_x * s_w^T (+ bias), returned in the input's dtype."""
+def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+           reference: bool = False) -> torch.Tensor:
+    """x (..., in) float, q (out, in) int8, scale (out, 1) -> (..., out) in x's dtype:
+    (q_x @ q^T) * s_x * s^T (+ bias), q_x and s_x the per-token quantisation of x. reference=True sums by
+    int_matmul_reference (the same bits). What a QuantLinear of format "w8a8" computes."""
+    rows = x.reshape(-1, x.shape[-1])                                   # (N, in)
+    qx, sx = quantize_rows(rows)                                        # (N, in) int8, (N, 1)
+    acc = (int_matmul_reference if reference else int_matmul)(qx, q)    # (N, out) int32
+    y = acc.float() * sx * scale.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        q, scale = quantize_rows(linear.weight.detach())
-        self.register_buffer("q", q)                                    # (out, in) int8
-        self.register_buffer("scale", scale[:, 0])                      # (out,) fp32
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
 
-    def forward(self, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
-        """x (..., in) -> (..., out); reference=True sums by int_matmul_reference (same bits)."""
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"W8A8Linear takes inputs of {self.in_features} features; got shape {tuple(x.shape)}")
-        rows = x.reshape(-1, self.in_features)                          # (N, in)
-        qx, sx = quantize_rows(rows)                                    # (N, in) int8, (N, 1)
-        acc = (int_matmul_reference if reference else int_matmul)(qx, self.q)   # (N, out) int32
-        y = acc.float() * sx * self.scale[None, :]
-        if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+def quantize(w: torch.Tensor) -> dict:
+    """W (out, in) -> {"q": int8 (out, in), "scale": fp32 (out, 1)}: the stored tensors of a "w8a8" QuantLinear."""
+    q, scale = quantize_rows(w)
+    return {"q": q, "scale": scale}
 
 
 def smoothing_factors(act_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: float = 0.5) -> torch.Tensor:
@@ -86,9 +81,41 @@ def smoothing_factors(act_absmax: torch.Tensor, weights: list[torch.Tensor], alp
 
 
 @torch.no_grad()
-def fold_smoothing(norm_weight: torch.Tensor, linears: list[nn.Linear], s: torch.Tensor) -> None:
-    """x / s folded into the RMSNorm weight that produces x, and s into each reading projection's columns:
-    norm(x) / s @ (W * s)^T = norm(x) @ W^T, so the float model is unchanged (to rounding)."""
-    norm_weight.div_(s.to(norm_weight.dtype))
-    for linear in linears:
-        linear.weight.mul_(s.to(linear.weight.dtype)[None, :])
+def smooth_block(block, h, cos, sin, alpha: float = 0.5) -> None:
+    """SmoothQuant on one transformer block (weights stay float), from its inputs h (N, T, dim): the input
+    channels of q, k, v folded into attn_norm, those of gate and up into ffn_norm, those of down into w_up's
+    rows (down reads silu(gate) * up, linear in up), each with the largest |x_j| the block's linears see."""
+    from .awq import block_inputs, fold_into_linear, fold_into_norm
+
+    attn, ffn = block.attn, block.ffn
+    x = block_inputs(block, ["attn.wq", "ffn.w_gate", "ffn.w_down"], h, cos, sin)         # (N, T, in) each
+
+    def absmax(name):
+        return x[name].abs().flatten(0, -2).amax(dim=0)                                   # (in,)
+
+    fold_into_norm(block.attn_norm, [attn.wq, attn.wk, attn.wv],
+                   smoothing_factors(absmax("attn.wq"), [attn.wq.weight, attn.wk.weight, attn.wv.weight], alpha))
+    fold_into_norm(block.ffn_norm, [ffn.w_gate, ffn.w_up],
+                   smoothing_factors(absmax("ffn.w_gate"), [ffn.w_gate.weight, ffn.w_up.weight], alpha))
+    fold_into_linear(ffn.w_up, ffn.w_down, smoothing_factors(absmax("ffn.w_down"), [ffn.w_down.weight], alpha))
+
+
+@torch.no_grad()
+def quantize_model_w8a8(model, ids: torch.Tensor | None, alpha: float = 0.5, progress: bool = False):
+    """Every linear of model.layers as a "w8a8" QuantLinear; with calibration ids (N, T), each block smoothed
+    first (smooth_block, alpha) on the hidden states the quantised blocks before it produce; without, plain W8A8."""
+    from . import quantize_linear, replace_module
+    from .sequential import calibrate_sequentially
+
+    def quantize_block(_index, block, h, cos, sin):
+        if h is not None:
+            smooth_block(block, h, cos, sin, alpha)
+        for name, module in list(block.named_modules()):
+            if type(module) is nn.Linear:
+                replace_module(block, name, quantize_linear(module, "w8a8"))
+
+    if ids is None:
+        for i, block in enumerate(model.layers):
+            quantize_block(i, block, None, None, None)
+        return model
+    return calibrate_sequentially(model, ids, quantize_block, progress)

@@ -1,11 +1,16 @@
-"""W8A8 (minillm/quant/w8a8.py): the library's int8 GEMM against the plain integer sum, the layer against
-float, and SmoothQuant: an outlier channel ruins plain W8A8, smoothing recovers it, folding changes nothing."""
+"""W8A8 (minillm/quant/w8a8.py, QuantLinear's "w8a8" format): the library's int8 GEMM against the plain integer
+sum, the layer against float, SmoothQuant (an outlier channel ruins plain W8A8, smoothing recovers it, folding
+changes nothing), and a W8A8 model through the engine."""
 import pytest
 import torch
 from torch import nn
 
-from minillm.quant.w8a8 import (W8A8Linear, fold_smoothing, int_matmul, int_matmul_reference, quantize_rows,
-                                smoothing_factors)
+from helpers import CharTokenizer, random_prompts
+from minillm import LLM, SamplingParams
+from minillm.model.llama import random_model, tiny_config
+from minillm.quant import cpu_kernels, quantize_linear, quantize_model
+from minillm.quant.awq import fold_into_norm
+from minillm.quant.w8a8 import int_matmul, int_matmul_reference, quantize_rows, smoothing_factors
 
 
 @pytest.mark.parametrize("rows, inner, out", [(1, 5, 7), (3, 64, 48), (17, 576, 960), (64, 576, 1536)])
@@ -28,14 +33,15 @@ def test_quantize_rows_is_symmetric_per_row_and_within_half_a_step():
 def test_the_layer_is_its_reference_and_close_to_float(dtype):
     torch.manual_seed(0)
     linear = nn.Linear(96, 80, bias=True)
-    layer = W8A8Linear(linear)
+    layer = quantize_linear(linear, "w8a8")
     x = torch.randn(2, 5, 96).to(dtype)
-    fast, ref = layer(x), layer(x, reference=True)
-    assert fast.dtype == dtype and fast.shape == (2, 5, 80) and torch.equal(fast, ref)
+    fast = layer(x)
+    with cpu_kernels.reference_path(layer):
+        ref = layer(x)
+    assert fast.dtype == dtype and fast.shape == (2, 5, 80) and torch.equal(fast, layer.forward_reference(x))
+    assert torch.equal(fast, ref)                                       # the integer sum is exact both ways
     want = linear(x.float())
     assert (fast.float() - want).norm() / want.norm() < 0.02
-    with pytest.raises(ValueError, match="96 features"):
-        layer(torch.randn(3, 95))
 
 
 def test_an_outlier_channel_ruins_plain_w8a8_and_smoothing_recovers_it():
@@ -50,12 +56,12 @@ def test_an_outlier_channel_ruins_plain_w8a8_and_smoothing_recovers_it():
     def error(layer, inputs):
         return ((layer(inputs) - want).norm() / want.norm()).item()
 
-    plain = error(W8A8Linear(linear), x)
+    plain = error(quantize_linear(linear, "w8a8"), x)
     s = smoothing_factors(x.abs().amax(dim=0), [linear.weight], alpha=0.5)
     smoothed = nn.Linear(128, 64, bias=False)
     smoothed.weight.data = linear.weight.data * s[None, :]
     torch.testing.assert_close(smoothed(x / s), want, atol=1e-4, rtol=1e-4)
-    assert error(W8A8Linear(smoothed), x / s) < plain / 4
+    assert error(quantize_linear(smoothed, "w8a8"), x / s) < plain / 4
 
 
 def test_folding_into_the_norm_leaves_the_float_model_unchanged():
@@ -65,7 +71,8 @@ def test_folding_into_the_norm_leaves_the_float_model_unchanged():
     h = torch.randn(7, 48)
     want = torch.cat([q(norm(h)), k(norm(h))], dim=-1)
     s = smoothing_factors(norm(h).abs().amax(dim=0), [q.weight, k.weight], alpha=0.6)
-    fold_smoothing(norm.weight.data, [q, k], s)
+    with torch.no_grad():
+        fold_into_norm(norm, [q, k], s)
     torch.testing.assert_close(torch.cat([q(norm(h)), k(norm(h))], dim=-1), want, atol=1e-5, rtol=1e-5)
 
 
@@ -73,3 +80,53 @@ def test_folding_into_the_norm_leaves_the_float_model_unchanged():
 def test_alpha_outside_zero_to_one_is_refused(alpha):
     with pytest.raises(ValueError, match="alpha"):
         smoothing_factors(torch.ones(4), [torch.ones(2, 4)], alpha=alpha)
+
+
+def outlier_model(seed=0):
+    """A tiny random model whose attention norms blow one channel up 40x: the massive activation that makes
+    plain W8A8 lose precision on every other channel of those tokens."""
+    model = random_model(tiny_config(), seed=seed)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attn_norm.weight[5] *= 40
+    return model
+
+
+def test_smoothquant_through_quantize_model_beats_plain_w8a8_on_an_outlier_model():
+    ids = torch.tensor(random_prompts([24, 24, 24, 24], 256, seed=1))         # (4, 24) calibration windows
+    x = torch.tensor(random_prompts([20, 20], 256, seed=2))
+    float_model = outlier_model()
+    with torch.no_grad():
+        want = float_model(x)
+
+    def error(model):
+        with torch.no_grad():
+            return ((model(x) - want).norm() / want.norm()).item()
+
+    plain = error(quantize_model(outlier_model(), "w8a8"))
+    smoothed = error(quantize_model(outlier_model(), "w8a8", calibration_ids=ids, alpha=0.5))
+    assert smoothed < plain / 2, (plain, smoothed)
+
+
+def test_a_w8a8_model_serves_through_the_engine_with_its_reference_paths_tokens():
+    cfg = tiny_config()
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([9, 30, 4], cfg.vocab_size)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    model = quantize_model(random_model(cfg, seed=0), "w8a8")          # (LLM(quantization="w8a8") calibrates on text)
+    llm = LLM(model=model, tokenizer=CharTokenizer(), max_model_len=64)
+    assert all(m.fmt == "w8a8" for m in llm.model.layers.modules() if hasattr(m, "fmt"))
+    fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with cpu_kernels.reference_path(llm.model):
+        slow = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert fast == slow
+
+
+def test_a_w8a8_model_saves_and_loads_with_the_same_outputs(tmp_path):
+    from minillm.quant import load_quantized, save_quantized
+
+    model = quantize_model(random_model(tiny_config(), seed=4), "w8a8")
+    x = torch.tensor(random_prompts([12], 256, seed=3))
+    back = load_quantized(None, save_quantized(model, tmp_path / "w8a8.safetensors"))
+    assert {m.fmt for m in back.layers.modules() if hasattr(m, "fmt")} == {"w8a8"}
+    with torch.no_grad():
+        assert torch.equal(back(x), model(x))
