@@ -21,9 +21,10 @@ import torch
 import torch.nn as nn
 
 from . import int4, int8, nf4, w8a8
+from .kv_fp8 import quantize_kv_fp8
 from .linear import QuantLinear
 
-METHODS = ("int8", "int4", "nf4", "gptq", "awq", "w8a8")
+METHODS = ("int8", "int4", "nf4", "gptq", "awq", "w8a8", "fp8")
 CALIBRATION_WINDOWS = 8        # token windows of calibration_text() used by GPTQ / AWQ
 # LLM(quantization=...): GPTQ over-fits its Hessians on 8 windows and loses to RTN on text of other
 # domains; on 32 it beats RTN on all four of bench calibration's. AWQ gained nothing from 32 (lesson 04).
@@ -61,20 +62,23 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def quantize_linear(linear: nn.Linear, method: str, *, bits: int = 4, group_size: int = 128,
                     symmetric: bool = False, double_quant: bool = False, block_size: int = 64) -> QuantLinear:
-    """Data-free (RTN-style) quantisation of one layer: int8, int4 (3 or 4 bits), nf4 or w8a8 (its weight;
-    the activation is quantised at run time)."""
+    """Data-free (RTN-style) quantisation of one layer: int8, int4 (3 or 4 bits), nf4, fp8 (e4m3, one scale
+    per output channel) or w8a8 (its weight; the activation is quantised at run time)."""
     w = linear.weight.detach()
     if method == "int8":
         return QuantLinear.from_linear(linear, "int8", int8.quantize(w))
     if method == "w8a8":
         return QuantLinear.from_linear(linear, "w8a8", w8a8.quantize(w))
+    if method == "fp8":
+        q, scale = quantize_kv_fp8(w)                      # each row of W as kv_fp8 does each token: max|row| -> 448
+        return QuantLinear.from_linear(linear, "fp8", {"bits": q, "scale": scale})
     if method == "int4":
         return QuantLinear.from_linear(linear, "int", int4.quantize(w, bits, group_size, symmetric),
                                        {"bits": bits, "group_size": group_size})
     if method == "nf4":
         return QuantLinear.from_linear(linear, "nf4", nf4.quantize(w, block_size, double_quant),
                                        {"block": block_size})
-    raise ValueError(f"method = {method!r} has no data-free quantiser; allowed: 'int8', 'int4', 'nf4', 'w8a8'")
+    raise ValueError(f"method = {method!r} has no data-free quantiser; allowed: 'int8', 'int4', 'nf4', 'w8a8', 'fp8'")
 
 
 def _check_args(model, method, bits, group_size, calibration_ids):

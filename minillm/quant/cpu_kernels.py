@@ -82,6 +82,8 @@ def unsupported(layer) -> str | None:
         return "NF4's 16 levels are not evenly spaced: no packed CPU kernel, the reference path runs"
     if layer.fmt == "w8a8":
         return "W8A8 runs its own int8 GEMM (quant/w8a8.py), not the weight-only kernels"
+    if layer.fmt == "fp8":
+        return "no FP8 GEMM on a CPU: the reference path dequantises the e4m3 weights"
     if kernel_group(layer.params["group_size"], layer.in_features) is None:
         return (f"group_size {layer.params['group_size']} and in_features {layer.in_features} share no "
                 f"int4 kernel group size of {INT4_KERNEL_GROUPS}")

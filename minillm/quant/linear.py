@@ -14,6 +14,9 @@ Formats ("fmt") and their stored tensors:
     "int"   packed uint8, scale fp16 (out, in/G), [zero uint8], [perm]     minillm/quant/int4.py
             (RTN, GPTQ and AWQ all produce this; bits 3 or 4)
     "nf4"   packed uint8 (out, in/2), absmax fp32 or its 8-bit form         minillm/quant/nf4.py
+    "fp8"   bits uint8 (out, in) holding e4m3 values, scale fp16 (out, 1)  minillm/quant/kv_fp8.py's functions
+            (weight-only: no FP8 GEMM on a CPU, so the reference path dequantises; a GPU with FP8 tensor
+            cores, H100 and later, multiplies in e4m3)
     "w8a8"  q int8 (out, in), scale fp32 (out, 1)                          minillm/quant/w8a8.py
             (W8A8: the activation is quantised too, per token at run time, and the product is an int8 GEMM;
             forward and forward_reference compute that, not F.linear with the dequantised weight)
@@ -25,9 +28,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import cpu_kernels, int4, int8, nf4, w8a8
+from .kv_fp8 import dequantize_kv_fp8
 from .w4a16 import supports, w4a16_linear
 
-DEQUANTIZE = {"int8": int8.dequantize, "int": int4.dequantize, "nf4": nf4.dequantize, "w8a8": int8.dequantize}
+DEQUANTIZE = {"int8": int8.dequantize, "int": int4.dequantize, "nf4": nf4.dequantize, "w8a8": int8.dequantize,
+              "fp8": dequantize_kv_fp8}
 
 
 class QuantLinear(nn.Module):

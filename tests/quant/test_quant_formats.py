@@ -265,7 +265,7 @@ def test_bad_arguments_raise_clear_errors():
     quantize_model(model, "int8")
     with pytest.raises(ValueError, match="already quantised"):
         quantize_model(model, "int8")
-    assert METHODS == ("int8", "int4", "nf4", "gptq", "awq", "w8a8")
+    assert METHODS == ("int8", "int4", "nf4", "gptq", "awq", "w8a8", "fp8")
 
 
 def test_quantize_model_drops_llm_fused_projections():

@@ -1,6 +1,6 @@
 """W8A8 (minillm/quant/w8a8.py, QuantLinear's "w8a8" format): the library's int8 GEMM against the plain integer
 sum, the layer against float, SmoothQuant (an outlier channel ruins plain W8A8, smoothing recovers it, folding
-changes nothing), and a W8A8 model through the engine."""
+changes nothing), a W8A8 model through the engine; and FP8 weights (the "fp8" format, weight-only on a CPU)."""
 import pytest
 import torch
 from torch import nn
@@ -128,5 +128,34 @@ def test_a_w8a8_model_saves_and_loads_with_the_same_outputs(tmp_path):
     x = torch.tensor(random_prompts([12], 256, seed=3))
     back = load_quantized(None, save_quantized(model, tmp_path / "w8a8.safetensors"))
     assert {m.fmt for m in back.layers.modules() if hasattr(m, "fmt")} == {"w8a8"}
+    with torch.no_grad():
+        assert torch.equal(back(x), model(x))
+
+
+def test_fp8_weights_are_e4m3_per_channel_within_half_a_mantissa_step():
+    """FP8 weights (weight-only on a CPU): each weight within 2^-4 of itself (3 mantissa bits) above e4m3's
+    subnormal range, a row's largest weight mapped to 448; the layer is F.linear with those weights."""
+    torch.manual_seed(5)
+    linear = nn.Linear(64, 32, bias=False)
+    layer = quantize_linear(linear, "fp8")
+    w, back = linear.weight.detach(), layer.dequantize()
+    normal = w.abs() >= 2 ** -6 * layer.scale.float()                 # e4m3's smallest normal, in weight units
+    assert layer.bits.dtype == torch.uint8 and layer.weight_bytes() == 32 * 64 + 32 * 2
+    assert ((back - w).abs() <= 2 ** -4 * w.abs() + 1e-12)[normal].all()
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), x @ back.t())
+
+
+def test_an_fp8_model_serves_through_the_engine_and_saves(tmp_path):
+    from minillm.quant import load_quantized, save_quantized
+
+    cfg = tiny_config()
+    model = quantize_model(random_model(cfg, seed=6), "fp8")
+    llm = LLM(model=model, tokenizer=CharTokenizer(), max_model_len=64)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 12], cfg.vocab_size)]
+    out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [5, 5]
+    back = load_quantized(None, save_quantized(model, tmp_path / "fp8.safetensors"))
+    x = torch.tensor(random_prompts([9], cfg.vocab_size, seed=7))
     with torch.no_grad():
         assert torch.equal(back(x), model(x))
