@@ -56,17 +56,17 @@ def kernel() -> tuple[ctypes.CDLL | None, str | None]:
     """-> (the loaded library, None), or (None, why it could not be built or loaded)."""
     path = library_path()
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            built = Path(tmp) / path.name
-            try:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                built = Path(tmp) / path.name
                 done = subprocess.run([os.environ.get("CC", "cc"), *FLAGS, str(SOURCE), "-o", str(built)],
                                       capture_output=True, text=True, timeout=120)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                return None, f"the C compiler did not run: {e}"
-            if done.returncode != 0:
-                return None, f"cc failed: {(done.stderr.strip().splitlines() or ['no message'])[-1]}"
-            os.replace(built, path)                                       # whole or not at all, if two build at once
+                if done.returncode != 0:
+                    return None, f"cc failed: {(done.stderr.strip().splitlines() or ['no message'])[-1]}"
+                os.replace(built, path)                                   # whole or not at all, if two build at once
+        except (OSError, subprocess.TimeoutExpired) as e:                 # no compiler, or the cache not writable
+            return None, f"could not build {path.name}: {e}"
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:

@@ -106,3 +106,20 @@ def test_the_engine_attends_every_decode_row_in_one_call_with_the_torch_backends
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     llm.close()
+
+
+def test_an_unwritable_cache_or_a_missing_compiler_is_a_reason_not_a_crash(monkeypatch, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setattr(cpu_decode, "library_path", lambda: blocked / "kernels" / "cpu_decode.so")
+    cpu_decode.kernel.cache_clear()
+    try:
+        lib, why = cpu_decode.kernel()
+        assert lib is None and "could not build" in why
+        monkeypatch.setattr(cpu_decode, "library_path", lambda: tmp_path / "cpu_decode.so")
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+        cpu_decode.kernel.cache_clear()
+        lib, why = cpu_decode.kernel()
+        assert lib is None and "could not build" in why
+    finally:
+        cpu_decode.kernel.cache_clear()
