@@ -2,8 +2,8 @@
 
 Weight-only formats (int8.py, int4.py) make a decode step read fewer bytes but still multiply in
 float: a prefill or a large batch, which is compute-bound, gains nothing. W8A8 quantises the
-activations too, at run time, so that the GEMM itself runs on the CPU's integer dot-product units
-(VNNI on the AMD EPYC VM, AMX on the Intel Xeon VM):
+activations too, at run time, so that the GEMM itself is an int8 one (torch._int_mm; which of the
+CPU's integer units it uses, VNNI or AMX, is the library's choice and not checked here):
 
     weights, once:     s_w[o] = max_i |W[o, i]| / 127        q_w = round(W / s_w)    (per output channel)
     activations, per call: s_x[n] = max_i |x[n, i]| / 127    q_x = round(x / s_x)    (per token, dynamic)
@@ -18,8 +18,8 @@ s_j, which leaves x @ W^T unchanged and moves the outlier's range into the weigh
 
     s_j = max|x_j|^alpha / max_o |W[o, j]|^(1 - alpha)       (alpha: the migration strength, 0.5 typical)
 
-The division of x is folded into the RMSNorm weight before the projections (`fold_smoothing`), so it
-costs nothing at run time.
+The division of x is folded into the RMSNorm weight before the projections, or into w_up's rows for the
+down projection (`smooth_block`, with AWQ's fold functions), so it costs nothing at run time.
 """
 from __future__ import annotations
 
