@@ -148,15 +148,17 @@ class LLM:
         self.close()
 
     def _quantize(self, method: str) -> None:
-        """Weight-only quantisation of every linear layer (lesson 04); GPTQ and AWQ calibrate on
+        """Quantisation of every linear layer (lesson 04: weight-only, or W8A8); GPTQ, AWQ and W8A8 calibrate on
         evaluate.calibration_text(), which the perplexity evaluation never sees. On a CPU the LM head
         gets an int8 copy too (quant.quantize_lm_head): torch's int8 kernel reads it at batch 1, where
-        the full-precision head would be the largest read of every decode step."""
+        the full-precision head would be the largest read of every decode step (a W8A8 model's head is W8A8:
+        at a batch's rows the weight-only kernel is slower than the int8 GEMM)."""
         from .quant import LLM_CALIBRATION_WINDOWS, calibration_windows, quantize_model
 
         n_windows = LLM_CALIBRATION_WINDOWS.get(method)
         ids = calibration_windows(self.tokenizer, n_windows) if n_windows else None
-        quantize_model(self.model, method, calibration_ids=ids, lm_head="int8" if self.device.type == "cpu" else None)
+        head = ("w8a8" if method == "w8a8" else "int8") if self.device.type == "cpu" else None
+        quantize_model(self.model, method, calibration_ids=ids, lm_head=head)
 
     @property
     def config(self):

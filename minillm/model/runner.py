@@ -271,9 +271,9 @@ class ModelRunner:
         (prepacked.choose_libraries); False: the recorded defaults. What was chosen: self.gemm_libraries.
         compile_steps: on CPU, a step whose only row is one decode token runs the same layer under
         torch.compile (layer.compiled_decode_layer) over the weights as int8/int4 packs or, float
-        ones, as a copy in row blocks (transforms.gemv_blocks); a step of more rows, where every
-        projection is prepacked, runs it under torch.compile with attention outside the graph
-        (layer.compiled_layer).
+        ones, as a copy in row blocks (transforms.gemv_blocks), W8A8 ones as StackedW8A8; a step of more
+        rows, where every projection is prepacked or W8A8, runs it under torch.compile with attention
+        outside the graph (layer.compiled_layer).
         triton_on_cpu: run the GPU path (Triton store + paged decode kernel) on CPU tensors under
         TRITON_INTERPRET=1, so that tests on a CPU machine cover what a GPU runs.
         attention_backend: how prefill runs attend (model.ATTENTION_BACKENDS); the paged backend itself
@@ -298,8 +298,7 @@ class ModelRunner:
         self.decode_weights = self.decode_head = None   # the compiled step's layers and tied head (row blocks)
         if compile_steps and self.attention.name in ("cpu", "cpu-fused"):
             self.decode_weights, self.decode_head = self._compiled_weights()
-        layers = self.packed_layers
-        self.compile_batched = compile_steps and bool(layers) and all(p is not None for ps in layers for p in ps)
+        self.compile_batched = compile_steps and self._graph_projections()
 
     def drop_prepacked(self) -> None:
         """Run on plain F.linear from now on (frees the packed copies; bench engine-step compares)."""
@@ -313,6 +312,14 @@ class ModelRunner:
         linears = [(layer.attn.wqkv, layer.attn.wo, layer.ffn.w_gate_up, layer.ffn.w_down) for layer in model.layers]
         weights = [m.weight for ms in linears for m in ms if type(m) is torch.nn.Linear and m.bias is None]
         return weights + ([model.embed.weight] if model.lm_head is None else [])
+
+    def _graph_projections(self) -> bool:
+        """Every projection of every layer is one the compiled batched step can trace: a prepacked GEMM
+        (its op) or a StackedW8A8 (quantise, int8 GEMM, rescale)."""
+        from minillm.quant.w8a8 import StackedW8A8
+
+        kinds = (prepacked.PrepackedLinear, StackedW8A8)
+        return all(isinstance(p, kinds) for w in self.layer_weights for p in (w[1], w[2], w[4], w[5]))
 
     def _eager_weights(self, rows: int | None, libraries: dict[str, str]) -> tuple[list, prepacked.PrepackedLinear | None]:
         """-> per layer (attn_norm, qkv, wo, ffn_norm, gate_up, down, qk_norm) for the eager forward, each
@@ -356,11 +363,13 @@ class ModelRunner:
                 if any(type(m) is not torch.nn.Linear or m.bias is not None for m in linears):
                     return None, None
                 projections = [m.weight.detach() for m in linears]
-            else:
+            else:                                                        # int8/int4 packs, or W8A8 stacks
+                from minillm.quant.w8a8 import StackedW8A8
+
                 projections = [eager[1], eager[2], eager[4], eager[5]]
-                if not all(isinstance(p, PackedProjection) for p in projections):
+                if not all(isinstance(p, (PackedProjection, StackedW8A8)) for p in projections):
                     return None, None
-                projections = [p.pack for p in projections]
+                projections = [p.pack if isinstance(p, PackedProjection) else p for p in projections]
             layers.append([eager[0], projections[0], projections[1], eager[3], projections[2], projections[3], eager[6]])
         head = model.embed.weight.detach() if model.lm_head is None else None
         if self.fused:                                                    # all copies in one buffer
@@ -487,14 +496,18 @@ def _one_decode_row(batch: PagedBatch) -> bool:
 
 
 def _packs(modules, model: Llama):
-    """Quantised projections that read one input as a PackedProjection (quant/cpu_kernels.fused_pack),
-    or None (not all QuantLinears, no CPU kernel, or kernels switched off by cpu_kernels.reference_path)."""
+    """Quantised projections that read one input as a PackedProjection (quant/cpu_kernels.fused_pack) or,
+    W8A8 ones, as a StackedW8A8; None (not all QuantLinears, no CPU kernel, or kernels switched off by
+    cpu_kernels.reference_path)."""
     from minillm.quant import cpu_kernels
     from minillm.quant.linear import QuantLinear
+    from minillm.quant.w8a8 import StackedW8A8
 
     dtype = model.embed.weight.dtype
     if model.embed.weight.device.type != "cpu" or not all(type(m) is QuantLinear and m.use_cpu_kernel for m in modules):
         return None
+    if all(m.fmt == "w8a8" and m.bias is None for m in modules):        # NEW: W8A8, one int8 GEMM
+        return StackedW8A8(modules)
     pack = cpu_kernels.fused_pack(modules, dtype)
     return None if pack is None else PackedProjection(pack, modules, cpu_kernels.KERNEL_MAX_ROWS.get(dtype, 0))
 

@@ -95,7 +95,7 @@ def _check_args(model, method, bits, group_size, calibration_ids):
                          f"e.g. quant.calibration_windows(tokenizer)")
 
 
-LM_HEAD_FORMATS = (None, "int8")
+LM_HEAD_FORMATS = (None, "int8", "w8a8")
 
 
 @torch.no_grad()
@@ -108,14 +108,14 @@ def quantize_model(model, method: str, *, bits: int = 4, group_size: int = 128, 
     calibration_ids: (N, T) token ids for gptq / awq (required) and w8a8 (optional: SmoothQuant first); kw go
     to gptq.quantize_model_gptq / awq.quantize_model_awq / w8a8.quantize_model_w8a8 (e.g. act_order,
     blocksize, damp; n_grid; alpha).
-    lm_head: None keeps the LM head in full precision; "int8" gives it an int8 copy of its own
-    (quantize_lm_head)."""
+    lm_head: None keeps the LM head in full precision; "int8" gives it an int8 copy of its own, "w8a8" a
+    W8A8 one (quantize_lm_head)."""
     _check_args(model, method, bits, group_size, calibration_ids)
     if lm_head not in LM_HEAD_FORMATS:
-        raise ValueError(f"lm_head = {lm_head!r}; allowed: None (full precision) or 'int8'")
+        raise ValueError(f"lm_head = {lm_head!r}; allowed: None (full precision), 'int8' or 'w8a8'")
     drop_fused_projections(model)
-    if lm_head == "int8":
-        quantize_lm_head(model)
+    if lm_head is not None:
+        quantize_lm_head(model, lm_head)
     if method == "gptq":
         from .gptq import quantize_model_gptq
         return quantize_model_gptq(model, as_ids(calibration_ids, model), bits=bits, group_size=group_size,
@@ -132,18 +132,20 @@ def quantize_model(model, method: str, *, bits: int = 4, group_size: int = 128, 
     return model
 
 
-def quantize_lm_head(model) -> None:
-    """The LM head as an int8 QuantLinear (per-row absmax). With tied embeddings (SmolLM2) the head
-    is the embedding matrix, a fifth of the parameters and the largest single read of a decode step;
-    the embedding lookup keeps the full-precision matrix (one row per token: no bandwidth to save),
-    the head reads the int8 copy. llama.cpp's 4-bit files likewise keep the output matrix at 6-8 bits."""
+def quantize_lm_head(model, fmt: str = "int8") -> None:
+    """The LM head as an int8 QuantLinear (per-row absmax): weight-only ("int8") or, for a W8A8 model,
+    "w8a8" (the final hidden state quantised per token too, so that a batch's logits are an int8 GEMM).
+    With tied embeddings (SmolLM2) the head is the embedding matrix, a fifth of the parameters and the
+    largest single read of a decode step; the embedding lookup keeps the full-precision matrix (one row
+    per token: no bandwidth to save), the head reads the int8 copy. llama.cpp's 4-bit files likewise keep
+    the output matrix at 6-8 bits."""
     if isinstance(model.lm_head, QuantLinear):
         return
     head = model.lm_head
     if head is None:                                                       # tied: the embedding's matrix
         head = nn.Linear(model.cfg.dim, model.cfg.vocab_size, bias=False, device="meta")
         head.weight = nn.Parameter(model.embed.weight.detach(), requires_grad=False)
-    model.lm_head = quantize_linear(head, "int8")
+    model.lm_head = quantize_linear(head, fmt)
 
 
 def as_ids(calibration_ids, model) -> torch.Tensor:

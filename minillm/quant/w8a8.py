@@ -62,6 +62,22 @@ def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Te
     return y.to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
 
 
+class StackedW8A8:
+    """W8A8 layers that read one input (wq, wk, wv; w_gate, w_up; or one alone) as ONE projection: their int8
+    rows and scales stacked along the output dimension, so that the input is quantised once and one int8 GEMM
+    runs. The numbers are those of the layers one by one: the token's scale is shared by every layer reading
+    it, and each output channel keeps its own scale. A plain callable (the engine's eager and compiled layer
+    call it; torch.compile generates the quantisation and the rescale as loops around torch._int_mm).
+    x (N, in) -> (N, sum out)."""
+
+    def __init__(self, layers):
+        self.q = torch.cat([layer.q for layer in layers])                  # (sum out, in) int8
+        self.scale = torch.cat([layer.scale for layer in layers])          # (sum out, 1) fp32
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.q, self.scale)
+
+
 def quantize(w: torch.Tensor) -> dict:
     """W (out, in) -> {"q": int8 (out, in), "scale": fp32 (out, 1)}: the stored tensors of a "w8a8" QuantLinear."""
     q, scale = quantize_rows(w)

@@ -10,7 +10,7 @@ from minillm import LLM, SamplingParams
 from minillm.model.llama import random_model, tiny_config
 from minillm.quant import cpu_kernels, quantize_linear, quantize_model
 from minillm.quant.awq import fold_into_norm
-from minillm.quant.w8a8 import int_matmul, int_matmul_reference, quantize_rows, smoothing_factors
+from minillm.quant.w8a8 import StackedW8A8, int_matmul, int_matmul_reference, quantize_rows, smoothing_factors
 
 
 @pytest.mark.parametrize("rows, inner, out", [(1, 5, 7), (3, 64, 48), (17, 576, 960), (64, 576, 1536)])
@@ -108,16 +108,35 @@ def test_smoothquant_through_quantize_model_beats_plain_w8a8_on_an_outlier_model
     assert smoothed < plain / 2, (plain, smoothed)
 
 
+def test_stacked_w8a8_is_the_layers_one_by_one():
+    """q, k, v (or gate, up) as one StackedW8A8: one quantisation of x, one int8 GEMM, the same numbers."""
+    torch.manual_seed(3)
+    layers = [quantize_linear(nn.Linear(64, out, bias=False), "w8a8") for out in (64, 16, 16)]
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    assert torch.equal(StackedW8A8(layers)(x), torch.cat([layer(x) for layer in layers], dim=-1))
+
+
 def test_a_w8a8_model_serves_through_the_engine_with_its_reference_paths_tokens():
+    """The engine runs q/k/v and gate/up as StackedW8A8 and a batch's step compiled (the quantisation and rescale
+    generated around the int8 GEMM), with the same greedy tokens as the reference path's layers one by one."""
     cfg = tiny_config()
     prompts = [{"prompt_token_ids": p} for p in random_prompts([9, 30, 4], cfg.vocab_size)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    model = quantize_model(random_model(cfg, seed=0), "w8a8")          # (LLM(quantization="w8a8") calibrates on text)
+    model = quantize_model(random_model(cfg, seed=0), "w8a8", lm_head="w8a8")   # (LLM(quantization=) calibrates)
     llm = LLM(model=model, tokenizer=CharTokenizer(), max_model_len=64)
     assert all(m.fmt == "w8a8" for m in llm.model.layers.modules() if hasattr(m, "fmt"))
+    assert llm.model.lm_head.fmt == "w8a8"
+    runner = llm.engine.runner
+    assert all(isinstance(p, StackedW8A8) for w in runner.layer_weights for p in (w[1], w[2], w[4], w[5]))
+    assert runner.compile_batched
     fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert runner.compiled_batched_steps > 0 and runner.compile_failed is None
+    one = llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert runner.compiled_decode_steps > 0 and one == fast[0]             # batch 1: the compiled decode step
     with cpu_kernels.reference_path(llm.model):
-        slow = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        reference = LLM(model=llm.model, tokenizer=CharTokenizer(), max_model_len=64)
+        assert not reference.engine.runner.compile_batched                 # the QuantLinears one by one, eagerly
+        slow = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
     assert fast == slow
 
 
