@@ -40,6 +40,10 @@ def _bench(args) -> None:
         if "workload" not in accepted:
             raise SystemExit(f"bench {args.name} has no --workload (it measures one workload)")
         kwargs["workload"] = args.workload
+    if args.part is not None:
+        if "part" not in accepted:
+            raise SystemExit(f"bench {args.name} has no --part (it runs as one piece)")
+        kwargs["part"] = args.part
     if args.json and "json_path" in accepted:                     # it puts its figure next to its JSON
         kwargs["json_path"] = args.json
     doc = module.run(quick=args.quick, **kwargs)
@@ -118,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="write the result document here")
     b.add_argument("--dtype", default=None, help="for benchmarks that take one (batching): float32 | bfloat16")
     b.add_argument("--workload", default=None, help="for benchmarks that take one (batching): main | held-out")
+    b.add_argument("--part", default=None, help="for benchmarks in parts (quant: weights | activations; default both)")
     b.set_defaults(func=_bench)
 
     d = sub.add_parser("demo", help="chat with SmolLM2, streamed, then report tokens/s")

@@ -1,6 +1,6 @@
 """Weight quantisation on SmolLM2: perplexity, weight bytes and decode speed per method.
 
-    python -m minillm bench quant [--quick] [--json results/quant.json]
+    python -m minillm bench quant [--quick] [--part weights|activations] [--json results/quant.json]
 
 Baseline caveat: the "fp32" model is SmolLM2's Q4_1 GGUF dequantised, so its weights already
 sit on a 16-level grid per block of 32 (Q4_1: llama.cpp's block_q4_1, read by minillm/loading/gguf_file.py).
@@ -20,6 +20,11 @@ turn within every repeat (interleaved), after one warm-up round; medians. Beside
 of that exact model with prompts fed in 64-token chunks (so every chunk runs the packed kernels, at
 most 64 rows), on its fast and its reference path.
 Engine (summary.engine): the batching engine, bf16 float against int4 weights, equal requests.
+Activations (summary.activations, `--part activations`): weight AND activation quantisation. Perplexity of W8A8
+(int8 weights per output channel, int8 activations per token, torch._int_mm) plainly and with SmoothQuant (alpha 0.5),
+and of FP8 (e4m3) weights, in fp32, beside bf16 and W8A16 (int8-bf16) and W8A8 on the bf16 model; SmoothQuant's alpha
+swept; where the outliers are and what smoothing does to each projection input (outlier_sites); torch._int_mm against
+the bf16 GEMM; and the engine's prefill, batch and batch-1 tok/s for bf16, W8A16 and W8A8 (activation_speed).
 KV cache (summary.kv_cache): perplexity with the paged engine's KV cache in the model dtype, int8 and
 fp8 (e4m3), prompts in 32-token chunks so that each chunk attends over the stored (quantised) cache.
 """
@@ -56,8 +61,14 @@ SPECS = {
     "gptq-4bit-g128-bf16": ("gptq", {"group_size": 128}),
     "awq-4bit-g128-bf16": ("awq", {"group_size": 128}),
     "nf4-bf16": ("nf4", {}),
+    # weight AND activation (the activations part): W8A8 plain and SmoothQuant'd, FP8 (e4m3) weights
+    "w8a8": ("w8a8", {}),
+    "w8a8-sq": ("w8a8", {"alpha": 0.5}),
+    "fp8": ("fp8", {}),
+    "w8a8-sq-bf16": ("w8a8", {"alpha": 0.5}),
 }
-BF16_KEYS = ("bf16", "int8-bf16", "int4-g128-bf16", "gptq-4bit-g128-bf16", "awq-4bit-g128-bf16", "nf4-bf16")
+BF16_KEYS = ("bf16", "int8-bf16", "int4-g128-bf16", "gptq-4bit-g128-bf16", "awq-4bit-g128-bf16", "nf4-bf16",
+             "w8a8-sq-bf16")
 # Batch-1 speed: the two float dtypes and the bf16 quantised models, each with LLM's int8 LM head
 SPEED_KEYS = ("fp32", "bf16", "int8-bf16", "int4-g128-bf16", "gptq-4bit-g128-bf16", "awq-4bit-g128-bf16", "nf4-bf16")
 QUICK_SPEED_KEYS = ("fp32", "bf16", "int8-bf16", "int4-g128-bf16")
@@ -66,14 +77,23 @@ FULL_ORDER = ("fp32", "int8", "int4-g128", "nf4", "gptq-4bit-g128", "awq-4bit-g1
               "awq-3bit-g128", "int4-g128-sym", "nf4-dq", "bf16", "int4-g32", "int8-bf16", "int4-g128-bf16")
 
 
+PARTS = ("weights", "activations")         # `bench quant --part`: weight-only rows, or W8A8 / FP8 (default: both)
+ACTIVATION_KEYS = ("fp32", "w8a8", "w8a8-sq", "fp8", "bf16", "int8-bf16", "w8a8-sq-bf16")
+ALPHAS = (0.25, 0.4, 0.5, 0.6, 0.75, 0.9)   # SmoothQuant's migration strength, swept (0.5: the paper's usual value)
+# the engine's speed, bf16: float, weight-only int8 (W8A16) and W8A8, each served as LLM(quantization=) serves it
+ACTIVATION_SPEED_KEYS = {"bf16": None, "W8A16": "int8-bf16", "W8A8": "w8a8-sq-bf16"}
+
+
 def settings(quick: bool) -> dict:
     if quick:
         return dict(eval_windows=1, window=128, calib_windows=2, calib_window=128, decode_tokens=4,
                     decode_repeats=1, keys=QUICK_KEYS, speed_keys=QUICK_SPEED_KEYS, chunked_windows=2,
-                    engine_requests=2, engine_tokens=4)
+                    engine_requests=2, engine_tokens=4, alphas=(0.5,), prefill_lengths=(64,), batch_rows=(4,),
+                    batch_tokens=4, speed_repeats=1)
     return dict(eval_windows=8, window=512, calib_windows=4, calib_window=512, decode_tokens=64,
                 decode_repeats=5, keys=FULL_ORDER, speed_keys=SPEED_KEYS, chunked_windows=2,
-                engine_requests=16, engine_tokens=64)
+                engine_requests=16, engine_tokens=64, alphas=ALPHAS, prefill_lengths=(512, 1024, 2048),
+                batch_rows=(16, 64), batch_tokens=32, speed_repeats=3)
 
 
 def build(base, key: str, calibration_ids) -> tuple[torch.nn.Module, float]:
@@ -89,7 +109,7 @@ def build(base, key: str, calibration_ids) -> tuple[torch.nn.Module, float]:
         return model, 0.0
     method, kwargs = spec
     t0 = time.perf_counter()
-    if method in ("gptq", "awq"):
+    if method in ("gptq", "awq") or "alpha" in kwargs:          # alpha: W8A8 with SmoothQuant, which calibrates
         kwargs = dict(kwargs, calibration_ids=calibration_ids)
     quantize_model(model, method, **kwargs)
     return model, time.perf_counter() - t0
@@ -209,6 +229,195 @@ def kv_cache_rows(base, tokenizer, cfg: dict) -> dict:
     return out
 
 
+# ---- the activations part: W8A8, SmoothQuant, FP8 ------------------------------------------------
+
+SITES = {"qkv": ("attn.wq", ("attn.wq", "attn.wk", "attn.wv")), "gate_up": ("ffn.w_gate", ("ffn.w_gate", "ffn.w_up")),
+         "down": ("ffn.w_down", ("ffn.w_down",))}      # a projection input: the module it enters, the weights reading it
+
+
+@torch.no_grad()
+def outlier_sites(base, calibration_ids: torch.Tensor, eval_ids: torch.Tensor, alpha: float = 0.5) -> dict:
+    """Why plain W8A8 loses on this model, and what SmoothQuant recovers, at each projection input of every block
+    of the float model, each layer alone on the float model's own inputs (not the sequential, quantised inputs
+    quantize_model calibrates on). a_j = max |x_j| over the calibration tokens. Per site and layer:
+    range = max_j a_j / median_j a_j; levels = the mean over held-out tokens of 127 * median_j |x_tj| / max_j |x_tj|
+    (the int8 levels the median channel gets under the per-token scale), before and after dividing x by the
+    smoothing factors (from a, alpha); err = ||y_W8A8 - y|| / ||y|| on the held-out tokens, y = x W^T in fp32,
+    plainly and smoothed (x / s against W * s)."""
+    from minillm.quant import w8a8
+
+    model = copy.deepcopy(base).float()
+    blocks = list(model.layers)
+    absmax = {(i, site): None for i in range(len(blocks)) for site in SITES}
+    out = {site: [] for site in SITES}
+    phase = {"name": "calibrate"}
+
+    def weight(block, site):
+        return torch.cat([block.get_submodule(n).weight.detach().float() for n in SITES[site][1]])   # (out, in)
+
+    def hook(i, site):
+        def record(_module, inputs, _output):
+            x = inputs[0].detach().float().flatten(0, -2)                                   # (N, in)
+            if phase["name"] == "calibrate":
+                a = x.abs().amax(dim=0)
+                absmax[i, site] = a if absmax[i, site] is None else torch.maximum(absmax[i, site], a)
+                return
+            a, w = absmax[i, site], weight(blocks[i], site)
+            s = w8a8.smoothing_factors(a, [w], alpha)                                     # (in,)
+            y = x @ w.t()                                                                  # (N, out)
+
+            def err(xq, wq):
+                return ((w8a8.linear(xq, *w8a8.quantize_rows(wq)) - y).norm() / y.norm()).item()
+
+            def levels(v):
+                v = v.abs()
+                return (127 * v.median(dim=1).values / v.amax(dim=1).clamp(min=1e-30)).mean().item()
+
+            out[site].append({"layer": i, "range": (a.max() / a.median()).item(), "levels_plain": levels(x),
+                              "levels_smoothed": levels(x / s), "err_plain": err(x, w), "err_smoothed": err(x / s, w * s)})
+        return record
+
+    handles = [blocks[i].get_submodule(SITES[site][0]).register_forward_hook(hook(i, site))
+               for i in range(len(blocks)) for site in SITES]
+    try:
+        for window in calibration_ids:
+            model(window[None])
+        phase["name"] = "measure"
+        for window in eval_ids:
+            model(window[None])
+    finally:
+        for h in handles:
+            h.remove()
+    summary = {}
+    for site, layers in out.items():
+        by_layer = {}
+        for r in layers:                                     # several eval windows: the mean per layer
+            by_layer.setdefault(r["layer"], []).append(r)
+        per_layer = [{k: statistics.fmean(r[k] for r in rs) if k != "layer" else layer for k in rs[0]}
+                     for layer, rs in sorted(by_layer.items())]
+        worst = max(per_layer, key=lambda r: r["err_plain"])
+        summary[site] = {**{f"median_{k}": statistics.median(r[k] for r in per_layer)
+                            for k in ("range", "levels_plain", "levels_smoothed", "err_plain", "err_smoothed")},
+                         "max_range": max(r["range"] for r in per_layer),
+                         "worst_layer": worst["layer"], "worst_err_plain": worst["err_plain"],
+                         "worst_err_smoothed": worst["err_smoothed"], "per_layer": per_layer}
+    return {"alpha": alpha, "sites": summary,
+            "how": "each block's projections alone on the float model's inputs; range and smoothing factors from the "
+                   "calibration windows, errors and levels on held-out evaluation windows (mean per layer)"}
+
+
+def alpha_sweep(base, calibration_ids, llm, cfg: dict) -> dict:
+    """Perplexity of W8A8 with SmoothQuant at each migration strength in cfg["alphas"] (fp32 model, fp32 activations
+    quantised to int8), beside plain W8A8's (no smoothing) in the same run."""
+    from minillm.evaluate import perplexity
+    from minillm.quant import drop_fused_projections, quantize_model
+
+    out = {}
+    for alpha in (None, *cfg["alphas"]):
+        model = copy.deepcopy(base)
+        drop_fused_projections(model)
+        quantize_model(model, "w8a8", **({} if alpha is None else {"calibration_ids": calibration_ids, "alpha": alpha}))
+        llm.model = model
+        out["plain" if alpha is None else str(alpha)] = perplexity(llm, window=cfg["window"], max_windows=cfg["eval_windows"])
+        print(f"w8a8 alpha {alpha}: ppl {out['plain' if alpha is None else str(alpha)]:.3f}", flush=True)
+    llm.model = base
+    best = min((a for a in out if a != "plain"), key=out.get)
+    return {"ppl": out, "best_alpha": float(best), "best_vs_plain": out[best] / out["plain"]}
+
+
+def activation_speed(base, tokenizer, calibration_ids, cfg: dict) -> dict:
+    """The engine (LLM, bf16 activations) on the float model, weight-only int8 (W8A16, with the int8 LM head) and
+    W8A8 with SmoothQuant (its LM head W8A8), each as LLM(quantization=) serves it: prefill tok/s of one prompt of
+    each length in cfg["prefill_lengths"] (max_tokens 1: prompt tokens / time to the first token), output tok/s of
+    cfg["batch_rows"] equal requests (16-token prompts, cfg["batch_tokens"] tokens each) and of one request
+    (cfg["decode_tokens"] tokens). Every model runs each workload in turn within a round, after a warm-up round;
+    medians of cfg["speed_repeats"] rounds. Also the perplexity of each served model (cfg["chunked_windows"]
+    windows) and whether its batched steps ran compiled."""
+    from minillm.engine.sampling import SamplingParams
+    from minillm.evaluate import evaluation_text, perplexity
+    from minillm.llm import LLM
+    from minillm.quant import quantize_lm_head
+
+    ids = tokenizer.encode(evaluation_text())
+    longest = max(*cfg["prefill_lengths"], cfg["window"])          # the served perplexity reads windows too
+    llms = {}
+    for name, key in ACTIVATION_SPEED_KEYS.items():
+        model = copy.deepcopy(base).to(torch.bfloat16) if key is None else build(base, key, calibration_ids)[0]
+        if key is not None:
+            quantize_lm_head(model, "w8a8" if SPECS[key][0] == "w8a8" else "int8")     # as LLM(quantization=) does
+        llms[name] = LLM(model=model, tokenizer=tokenizer, device="cpu", max_model_len=longest + 16)
+    greedy = dict(temperature=0, ignore_eos=True)
+    work = {f"prefill-{n}": ([{"prompt_token_ids": ids[:n]}], SamplingParams(max_tokens=1, **greedy), n)
+            for n in cfg["prefill_lengths"]}
+    for rows in cfg["batch_rows"]:
+        prompts = [{"prompt_token_ids": ids[1000 + 16 * i:1016 + 16 * i]} for i in range(rows)]
+        work[f"rows-{rows}"] = (prompts, SamplingParams(max_tokens=cfg["batch_tokens"], **greedy), rows * cfg["batch_tokens"])
+    work["rows-1"] = ([{"prompt_token_ids": ids[:16]}], SamplingParams(max_tokens=cfg["decode_tokens"], **greedy),
+                      cfg["decode_tokens"])
+    times = {(name, w): [] for name in llms for w in work}
+    for round_ in range(cfg["speed_repeats"] + 1):                       # round 0: warm-up (compiles)
+        for w, (prompts, params, _) in work.items():
+            for name, llm in llms.items():
+                t0 = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                if round_:
+                    times[name, w].append(time.perf_counter() - t0)
+    tok_s = {name: {w: tokens / statistics.median(times[name, w]) for w, (_, _, tokens) in work.items()} for name in llms}
+    out = {"tok_s": tok_s, "rounds": cfg["speed_repeats"],
+           "W8A8_vs_bf16": {w: tok_s["W8A8"][w] / tok_s["bf16"][w] for w in work},
+           "W8A8_vs_W8A16": {w: tok_s["W8A8"][w] / tok_s["W8A16"][w] for w in work},
+           "W8A16_vs_bf16": {w: tok_s["W8A16"][w] / tok_s["bf16"][w] for w in work},
+           "compiled_batched_steps": {name: llm.engine.runner.compiled_batched_steps for name, llm in llms.items()},
+           "ppl_served": {name: perplexity(llm, window=cfg["window"], max_windows=cfg["chunked_windows"])
+                          for name, llm in llms.items()}}
+    print(common.format_table([{"model": n, **{w: round(v, 1) for w, v in t.items()}} for n, t in tok_s.items()]),
+          flush=True)
+    return out
+
+
+def int8_gemm(quick: bool) -> dict:
+    """torch._int_mm (int8 x int8 -> int32) against the bf16 GEMM (F.linear) at SmolLM2's gate-up shape
+    (M, 576) x (576, 3072), GFLOP/s, medians; and which 8-bit integer instructions the CPU lists
+    (/proc/cpuinfo: AVX-512 VNNI, AVX-VNNI, AMX-INT8). Which of them torch's kernel uses is its own choice."""
+    from minillm.perf.timing import time_median
+
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        flags = []
+    w = torch.randn(3072, 576)
+    qw, wb = w.to(torch.int8), w.to(torch.bfloat16)
+    rows = []
+    for m in ((16, 64) if quick else (16, 64, 512, 2048)):
+        qx, xb = torch.randint(-127, 128, (m, 576), dtype=torch.int8), torch.randn(m, 576, dtype=torch.bfloat16)
+        flops = 2 * m * 576 * 3072
+        t_int = time_median(lambda: torch._int_mm(qx, qw.t()), repeats=5 if quick else 30, warmup=2)
+        t_bf16 = time_median(lambda: torch.nn.functional.linear(xb, wb), repeats=5 if quick else 30, warmup=2)
+        rows.append({"rows": m, "int8_GFLOP_s": flops / t_int / 1e9, "bf16_GFLOP_s": flops / t_bf16 / 1e9,
+                     "int8_vs_bf16": t_bf16 / t_int})
+    return {"cpu_flags": {f: f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8", "avx512_bf16")}, "results": rows}
+
+
+def activations(base, tokenizer, calibration_ids, rows: list[dict], cfg: dict, llm) -> dict:
+    """The activations part's summary: perplexity of W8A8 (plain, SmoothQuant), FP8 and their bf16 peers (rows, from
+    measure), the alpha sweep, the outlier sites, the engine's speed and the int8 GEMM."""
+    from minillm.evaluate import token_windows, evaluation_text
+
+    ppl = {r["method"]: r["ppl"] for r in rows}
+    eval_ids = torch.tensor(token_windows(tokenizer.encode(evaluation_text()), cfg["window"], 2))
+    out = {"ppl": {k: ppl[k] for k in ACTIVATION_KEYS if k in ppl}}
+    if "fp32" in ppl:
+        out["ppl_increase_pct"] = {k: 100 * (ppl[k] / ppl["fp32"] - 1) for k in ("w8a8", "w8a8-sq", "fp8") if k in ppl}
+    if "bf16" in ppl:
+        out["ppl_increase_pct_bf16"] = {k: 100 * (ppl[k] / ppl["bf16"] - 1) for k in ("int8-bf16", "w8a8-sq-bf16")
+                                        if k in ppl}
+    out["alpha_sweep"] = alpha_sweep(base, calibration_ids, llm, cfg)
+    out["outliers"] = outlier_sites(base, calibration_ids, eval_ids, alpha=0.5)
+    out["int8_gemm"] = int8_gemm(cfg["eval_windows"] == 1)
+    out["engine"] = activation_speed(base, tokenizer, calibration_ids, cfg)
+    return out
+
+
 def summarise(rows: list[dict]) -> dict:
     ppl = {r["method"]: r["ppl"] for r in rows}
     out = {"ppl": ppl, "vs_fp16": {r["method"]: r["vs_fp16"] for r in rows}}
@@ -231,38 +440,47 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
-def run(quick: bool, partial_path=None) -> dict:
+def run(quick: bool, partial_path=None, part: str | None = None) -> dict:
     """partial_path: rewrite a JSON document there after every row (a long run can be inspected
-    or salvaged while it is still going)."""
+    or salvaged while it is still going). part: "weights" (the weight-only rows, speed, engine, KV cache),
+    "activations" (W8A8, SmoothQuant, FP8: summary.activations) or None (both)."""
     from minillm.llm import LLM
     from minillm.quant import calibration_windows
 
+    if part not in (None, *PARTS):
+        raise ValueError(f"part = {part!r}; allowed: {', '.join(map(repr, PARTS))} or none (both)")
     cfg = settings(quick)
     llm = LLM(model="smollm2", dtype="float32", device="cpu")
     base = llm.model
     tokenizer = llm.get_tokenizer()
     calibration_ids = calibration_windows(tokenizer, cfg["calib_windows"], cfg["calib_window"])
+    measured = (() if part == "activations" else cfg["keys"]) + (() if part == "weights" else ACTIVATION_KEYS)
+    timed = () if part == "activations" else cfg["speed_keys"]
     rows, speed_models = [], {}
-    for key in dict.fromkeys(cfg["keys"] + cfg["speed_keys"]):
+    for key in dict.fromkeys(measured + timed):
         model, quant_s = build(base, key, calibration_ids)
-        if key in cfg["keys"]:
+        if key in measured:
             row = {"method": key, **measure(llm, model, cfg), "quantize_s": quant_s}
             rows.append(row)
             print(common.format_table([row]), flush=True)
-        if key in cfg["speed_keys"]:
+        if key in timed:
             speed_models[key] = model
+        del model
         if partial_path:
-            common.write_json(common.document(NAME, _config(cfg, quick), rows, summarise(rows)), partial_path)
+            common.write_json(common.document(NAME, _config(cfg, quick, part), rows, summarise(rows)), partial_path)
     llm.model = base
     summary = summarise(rows)
-    summary["speed"] = speed(speed_models, tokenizer, cfg)
-    summary["engine"] = engine_throughput(speed_models, tokenizer, cfg)
-    summary["kv_cache"] = kv_cache_rows(base, tokenizer, cfg)
-    summary["w4a16_kernel"] = kernel_benchmark(quick)      # GPU only; says so when not measured
-    return common.document(NAME, _config(cfg, quick), rows, summary)
+    if part != "activations":
+        summary["speed"] = speed(speed_models, tokenizer, cfg)
+        summary["engine"] = engine_throughput(speed_models, tokenizer, cfg)
+        summary["kv_cache"] = kv_cache_rows(base, tokenizer, cfg)
+        summary["w4a16_kernel"] = kernel_benchmark(quick)      # GPU only; says so when not measured
+    if part != "weights":
+        summary["activations"] = activations(base, tokenizer, calibration_ids, rows, cfg, llm)
+    return common.document(NAME, _config(cfg, quick, part), rows, summary)
 
 
-def _config(cfg: dict, quick: bool) -> dict:
+def _config(cfg: dict, quick: bool, part: str | None = None) -> dict:
     return {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32: the baseline)",
             "eval": f"evaluation_text(), {cfg['eval_windows']} windows of {cfg['window']} tokens",
             "calibration": f"calibration_text(), {cfg['calib_windows']} windows of {cfg['calib_window']} tokens",
@@ -274,7 +492,10 @@ def _config(cfg: dict, quick: bool) -> dict:
             "awq": "asymmetric, alpha grid 0..0.95 step 0.05, clip search 10 steps; v->o pair skipped (GQA)",
             "quantized": "linear layers of the 30 blocks; tied embedding / LM head kept fp32 (bf16 in -bf16 rows); "
                          "the speed rows add LLM's int8 LM head",
-            "quick": quick, **{k: v for k, v in cfg.items() if k != "keys"}}
+            "w8a8": "per-token dynamic int8 activations x per-channel int8 weights (torch._int_mm); -sq: SmoothQuant "
+                    "alpha 0.5 on the calibration windows, folded into the norms and w_up; fp8: e4m3 weights, one "
+                    "scale per output channel, dequantised on this CPU (weight-only)",
+            "part": part or "weights and activations", "quick": quick, **{k: v for k, v in cfg.items() if k != "keys"}}
 
 
 def plot(doc: dict, path=None):
