@@ -67,7 +67,7 @@ def _serve(args) -> None:
               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
-              kv_cache_dtype=args.kv_cache_dtype, prefix_cache=args.prefix_cache,
+              kv_cache_dtype=args.kv_cache_dtype, prefix_cache=args.prefix_cache, quantization=args.quantization,
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
               speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
               speculative_policy=args.speculative_policy)
@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the index of cached blocks with --enable-prefix-caching: hash (vLLM's chained block "
                         "hashes) | radix (SGLang's radix tree)")
     s.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) | int8 | fp8")
+    s.add_argument("--quantization", default=None,
+                   help="quantise the weights at start-up (lesson 04): int8 | int4 | nf4 | gptq | awq | w8a8 | fp8")
     s.add_argument("--speculative-method", default=None, choices=("ngram", "draft", "layerskip"),
                    help="verify draft tokens inside the batch (lesson 08)")
     s.add_argument("--num-speculative-tokens", type=int, default=5, help="drafts per request and step at most")

@@ -192,6 +192,19 @@ def test_serve_passes_its_limit_flags_to_the_app(monkeypatch):
     assert not {"max_waiting", "max_body_bytes", "stall_timeout_s"} & set(seen)
 
 
+def test_serve_quantises_the_model_it_loads_when_asked(monkeypatch):
+    import minillm
+    import minillm.serving.server
+    from minillm.__main__ import main
+
+    made = []
+    monkeypatch.setattr(minillm, "LLM", lambda **kwargs: made.append(kwargs) or SimpleNamespace(**kwargs))
+    monkeypatch.setattr(minillm.serving.server, "serve", lambda llm, **options: None)
+    main(["serve", "--quantization", "w8a8"])
+    main(["serve"])
+    assert [m["quantization"] for m in made] == ["w8a8", None]
+
+
 @pytest.mark.parametrize("option, value", [("max_waiting", 0), ("max_body_bytes", -1), ("max_waiting", 2.5),
                                            ("stall_timeout_s", 0.0), ("stall_timeout_s", float("nan"))])
 def test_bad_limits_are_refused_when_the_app_is_built(option, value):

@@ -49,9 +49,11 @@ from . import common
 NAME = "quant-tasks"
 ITEMS_FILE = Path(__file__).resolve().parents[2] / "data" / "quant_tasks.toml"
 KEYS = ("fp32", "int8", "int4-g128", "nf4", "gptq-4bit-g128", "awq-4bit-g128")     # quant.SPECS keys
-# Extra rows (add_rows): a quant.SPECS key calibrated on more windows than bench quant's 4, e.g. GPTQ on the
-# 32 windows LLM(quantization="gptq") uses (quant.LLM_CALIBRATION_WINDOWS)
-EXTRA = {"gptq-4bit-g128-calib32": ("gptq-4bit-g128", 32)}
+# Extra rows (add_rows): a quant.SPECS key and the calibration_text() windows it calibrates on, e.g. GPTQ on the
+# 32 windows LLM(quantization="gptq") uses (quant.LLM_CALIBRATION_WINDOWS); and weight AND activation quantisation
+# (bench quant --part activations): W8A8 plain and with SmoothQuant, FP8 weights, on bench quant's 4 windows
+EXTRA = {"gptq-4bit-g128-calib32": ("gptq-4bit-g128", 32), "w8a8": ("w8a8", 4), "w8a8-sq": ("w8a8-sq", 4),
+         "fp8": ("fp8", 4)}
 TASKS = ("facts-mc", "facts-greedy", "code-line", "needle")
 SEED = 0
 
@@ -334,8 +336,8 @@ def run(quick: bool, json_path: str | None = None) -> dict:
 
 def add_rows(json_path: str, keys=tuple(EXTRA)) -> dict:
     """Score the EXTRA models on the same items and add them to a finished run's document at json_path
-    (rewritten; summary.added lists them). Each is quant.build's model of its SPECS key, calibrated on
-    its own number of calibration_text() windows."""
+    (rewritten; summary.added lists each call's rows, machine and time). Each is quant.build's model of its
+    SPECS key, calibrated on its own number of calibration_text() windows."""
     import json
 
     from minillm.llm import LLM
@@ -368,7 +370,9 @@ def add_rows(json_path: str, keys=tuple(EXTRA)) -> dict:
         print(common.format_table([row]), flush=True)
     new = _document(cfg, quick, items, rows, scores, t_added, complete=doc["summary"]["complete"])
     new["machine"] = doc["machine"]
-    new["summary"]["added"] = {"rows": list(keys), "machine": common.machine_info(), "wall_s": new["summary"]["wall_s"]}
+    earlier = doc["summary"].get("added", [])                              # one entry per add_rows call
+    new["summary"]["added"] = (earlier if isinstance(earlier, list) else [earlier]) + [
+        {"rows": list(keys), "machine": common.machine_info(), "wall_s": new["summary"]["wall_s"]}]
     new["summary"]["wall_s"] = doc["summary"]["wall_s"]                  # the main run's
     common.write_json(new, json_path)
     return new
