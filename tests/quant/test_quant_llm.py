@@ -2,9 +2,9 @@
 gives the same greedy tokens as the naive decode (the full forward per token, no cache) of that
 same quantised model.
 
-int8, int4 and nf4 quantise the whole SmolLM2. GPTQ and AWQ calibrate block by block, which takes
-minutes for 30 blocks on a CPU, so they run on SmolLM2's first two blocks (real weights and
-tokenizer) with one 64-token calibration window."""
+int8, int4, nf4 and fp8 quantise the whole SmolLM2. GPTQ, AWQ and W8A8 (SmoothQuant) calibrate block
+by block, which takes minutes for 30 blocks on a CPU, so they run on SmolLM2's first two blocks (real
+weights and tokenizer) with one 64-token calibration window."""
 import copy
 
 import pytest
@@ -50,7 +50,7 @@ def assert_engine_equals_naive_decode(q, fmt):
     assert [o.outputs[0].token_ids for o in outputs] == [generate_greedy_naive(q.model, p, N_TOKENS) for p in prompts]
 
 
-@pytest.mark.parametrize("method,fmt", [("int8", "int8"), ("int4", "int"), ("nf4", "nf4")])
+@pytest.mark.parametrize("method,fmt", [("int8", "int8"), ("int4", "int"), ("nf4", "nf4"), ("fp8", "fp8")])
 def test_data_free_quantized_llm_engine_equals_naive_decode(llm, method, fmt):
     assert_engine_equals_naive_decode(quantized_llm(llm, method), fmt)
 
@@ -64,3 +64,13 @@ def test_calibrated_quantized_llm_engine_equals_naive_decode(llm, tiny_calibrati
     else:
         assert len(q.model.awq_alphas) == 2                        # one record per calibrated block
     assert_engine_equals_naive_decode(q, "int")
+
+
+def test_w8a8_llm_engine_equals_naive_decode(llm, tiny_calibration):
+    """W8A8 with SmoothQuant: the engine's stacked int8 GEMMs (compiled in a batched step) against the naive decode of
+    the same model, whose layers quantise each token's activations one by one; the LM head is W8A8 too."""
+    q = quantized_llm(llm, "w8a8", n_layers=2)
+    assert tiny_calibration == [8]
+    assert q.model.lm_head.fmt == "w8a8"
+    assert_engine_equals_naive_decode(q, "w8a8")
+    assert q.engine.runner.compiled_batched_steps > 0
