@@ -109,6 +109,10 @@ class Engine:
         if self.speculation is not None:                                   # NEW: speculative, 1. propose
             self.speculation.propose(self.scheduler.running, self.scheduler.max_num_batched_tokens)
         plan = self.scheduler.schedule()
+        now = time.time()
+        for req in plan.requests:
+            if req.metrics.first_scheduled_time is None:                   # its queue time ends here
+                req.metrics.first_scheduled_time = now
         if not plan.requests:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not schedule anything although requests wait; "

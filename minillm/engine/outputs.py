@@ -24,10 +24,36 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
+    """Wall-clock times (time.time()) of a request's life: arrived, first scheduled (its first prefill
+    chunk ran), first token, finished."""
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
     num_generated_tokens: int = 0
+    first_scheduled_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds waiting before the first step that ran it."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        """Seconds from the first step that ran it to its first token (every prefill chunk)."""
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> float | None:
+        """Seconds from the first token to the last."""
+        if self.finished_time is None or self.first_token_time is None:
+            return None
+        return self.finished_time - self.first_token_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -62,6 +62,8 @@ class _Metrics:
     so that several servers in one process (tests, notebooks) do not share counters."""
 
     TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+    ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+    TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
     def __init__(self):
         self.registry = r = CollectorRegistry()
@@ -93,6 +95,21 @@ class _Metrics:
                               registry=r)
         self.tpot = Histogram("vllm:time_per_output_token_seconds", "Mean time per output token after the first",
                               buckets=self.TIME_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between a request's successive steps "
+                             "with output (what a streaming client waits between chunks)",
+                             buckets=self.ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=self.TIME_BUCKETS, registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to the first step that runs it",
+                                    buckets=self.TIME_BUCKETS, registry=r)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "First step that runs it to its "
+                                      "first token", buckets=self.TIME_BUCKETS, registry=r)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds", "First token to last token",
+                                     buckets=self.TIME_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request",
+                                               buckets=self.TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens", "Output tokens per request",
+                                                   buckets=self.TOKEN_BUCKETS, registry=r)
         for reason in ("stop", "length", "abort", "error"):     # present at 0 before the first one
             self.finished.labels(reason)
 
@@ -101,6 +118,20 @@ class _Metrics:
         self.prefix_queries.inc(len(req.prompt_token_ids))
         self.prefix_hits.inc(req.num_cached_tokens)
         self.ttft.observe(req.metrics.time_to_first_token)
+        self.request_prompt_tokens.observe(len(req.prompt_token_ids))
+        m = req.metrics
+        for histogram, value in ((self.queue_time, m.queue_time), (self.prefill_time, m.prefill_time)):
+            if value is not None:
+                histogram.observe(value)
+
+    def finished_request(self, req: Request) -> None:
+        m = req.metrics
+        self.finished.labels(req.finish_reason).inc()
+        self.request_generation_tokens.observe(len(req.output_token_ids))
+        for histogram, value in ((self.tpot, m.time_per_output_token), (self.e2e, m.e2e_latency),
+                                 (self.decode_time, m.decode_time)):
+            if value is not None:
+                histogram.observe(value)
 
 
 class EngineWorker:
@@ -117,6 +148,7 @@ class EngineWorker:
         self._not_started: set[str] = set()
         self._lock = threading.Lock()
         self.metrics = _Metrics()
+        self.last_output_time: dict[str, float] = {}   # request_id -> when its last step with output ended
         self.stats = self._snapshot()
         self.idle = True                          # blocked on an empty inbox: no progress is due
         self.last_progress = time.monotonic()
@@ -201,6 +233,7 @@ class EngineWorker:
 
     def _abort(self, request_id: str) -> None:
         sink = self.sinks.pop(request_id, None)
+        self.last_output_time.pop(request_id, None)
         if sink is None:                          # it finished before the abort arrived
             return
         self._started(request_id)
@@ -219,6 +252,7 @@ class EngineWorker:
                 sink.push(Delta("", None, 0, error=f"engine step failed: {e}"))
             self.metrics.finished.labels("error").inc(len(self.sinks))
             self.sinks.clear()
+            self.last_output_time.clear()
             return
         self.metrics.preemptions.inc(self.engine.step_log[-1]["num_preempted"])
         self.metrics.generation_tokens.inc(len(events))          # one new token per event
@@ -230,6 +264,7 @@ class EngineWorker:
         # with speculative decoding one request may get several tokens (events) in a step: only its
         # last event carries the finish
         last = {req.request_id: i for i, (req, _) in enumerate(events)}
+        now = time.time()
         for i, (req, text) in enumerate(events):
             if len(req.output_token_ids) == 1:                    # never with drafts: they follow the first
                 self._started(req.request_id)
@@ -237,11 +272,15 @@ class EngineWorker:
             sink = self.sinks[req.request_id]
             final = last[req.request_id] == i
             sink.push(Delta(text, req.finish_reason if final else None, len(req.output_token_ids)))
+            if final:                                             # one gap per request and step
+                previous = self.last_output_time.pop(req.request_id, None)
+                if previous is not None:
+                    self.metrics.itl.observe(now - previous)
+                if not req.finished:
+                    self.last_output_time[req.request_id] = now
             if req.finished and final:
                 del self.sinks[req.request_id]
-                self.metrics.finished.labels(req.finish_reason).inc()
-                if req.metrics.time_per_output_token is not None:
-                    self.metrics.tpot.observe(req.metrics.time_per_output_token)
+                self.metrics.finished_request(req)
 
     def _snapshot(self) -> dict:
         """Counters published for /debug/engine and /metrics, so that no other thread reads the engine."""

@@ -305,6 +305,15 @@ def test_metrics_count_requests_tokens_and_blocks(llm):
         assert m["vllm:prefix_cache_hits_total"] == 0 and m["vllm:num_preemptions_total"] == 0
         assert m["vllm:time_to_first_token_seconds_count"] == 4
         assert m["vllm:time_per_output_token_seconds_count"] == 3
+        # vLLM's per-request histograms: every started request has a queue and prefill time, every finished one
+        # (not the aborted) an end-to-end and decode time; 4 tokens after the first of each finished request
+        assert m["vllm:request_queue_time_seconds_count"] == m["vllm:request_prefill_time_seconds_count"] == 4
+        assert m["vllm:e2e_request_latency_seconds_count"] == m["vllm:request_decode_time_seconds_count"] == 3
+        assert m["vllm:inter_token_latency_seconds_count"] >= 3 * 4
+        assert m["vllm:request_prompt_tokens_sum"] == m["vllm:prompt_tokens_total"]
+        assert m["vllm:request_generation_tokens_count"] == 3 and m["vllm:request_generation_tokens_sum"] == 15
+        e2e, ttft = m["vllm:e2e_request_latency_seconds_sum"], m["vllm:time_to_first_token_seconds_sum"]
+        assert 0 < m["vllm:request_queue_time_seconds_sum"] <= ttft and 0 < e2e
     with serving(llm) as fresh:                          # one registry per app: counts start again
         assert metrics(fresh.url)["vllm:prompt_tokens_total"] == 0
 

