@@ -12,6 +12,7 @@ may read (stats for /debug/engine, Prometheus metrics for /metrics) after each s
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import queue
@@ -83,6 +84,9 @@ class _Metrics:
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served by the prefix cache", registry=r)
+        self.short_prefix = Counter("minillm:prefix_cache_short_shared_prefix", "Prompts that share a prefix "
+                                    "with an earlier prompt that is shorter than one KV block (it cannot hit: the "
+                                    "cache reuses whole blocks)", registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Preemptions", registry=r)
         self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Speculative verifications (one per request "
                                    "and step with drafts)", registry=r)
@@ -134,6 +138,36 @@ class _Metrics:
                 histogram.observe(value)
 
 
+class ShortPrefixWatch:
+    """Spots prompts that share a prefix with an earlier prompt that is shorter than one KV block. The prefix cache
+    reuses whole blocks only, so such a prefix can never hit: a short shared system prompt and a hit rate of zero
+    surprise operators (vLLM's users among them). Keeps the first block of the last `capacity` prompts."""
+
+    MIN_SHARED = 4                      # fewer shared tokens is chance (a chat template's first tokens, say)
+
+    def __init__(self, block_size: int, capacity: int = 4096):
+        self.block_size, self.capacity = block_size, capacity
+        self.prefixes: collections.Counter = collections.Counter()    # every prefix of a kept first block
+        self.kept: collections.deque = collections.deque()
+
+    def shared(self, prompt: list[int]) -> int:
+        """The longest prefix of `prompt`, up to one block, that a kept prompt starts with (0: none)."""
+        return max((k for k in range(1, min(len(prompt), self.block_size) + 1) if tuple(prompt[:k]) in self.prefixes),
+                   default=0)
+
+    def observe(self, prompt: list[int]) -> int:
+        """Remember `prompt`; -> the length of a shared prefix too short to hit (0 if none or long enough)."""
+        k = self.shared(prompt)
+        head = prompt[:self.block_size]
+        self.kept.append(head)
+        self.prefixes.update(tuple(head[:j]) for j in range(1, len(head) + 1))
+        if len(self.kept) > self.capacity:
+            old = self.kept.popleft()
+            self.prefixes.subtract(tuple(old[:j]) for j in range(1, len(old) + 1))
+            self.prefixes += collections.Counter()                    # drop the zero counts
+        return k if self.MIN_SHARED <= k < self.block_size and len(prompt) > self.block_size else 0
+
+
 class EngineWorker:
     """The one thread that calls the engine. Others talk to it only through `inbox`."""
 
@@ -149,6 +183,9 @@ class EngineWorker:
         self._lock = threading.Lock()
         self.metrics = _Metrics()
         self.last_output_time: dict[str, float] = {}   # request_id -> when its last step with output ended
+        bm = self.engine.block_manager
+        self.short_prefix = None if bm.prefix_cache is None else ShortPrefixWatch(bm.block_size)
+        self.short_prefix_warned = False
         self.stats = self._snapshot()
         self.idle = True                          # blocked on an empty inbox: no progress is due
         self.last_progress = time.monotonic()
@@ -269,6 +306,7 @@ class EngineWorker:
             if len(req.output_token_ids) == 1:                    # never with drafts: they follow the first
                 self._started(req.request_id)
                 self.metrics.first_token(req)
+                self._watch_prefix(req)
             sink = self.sinks[req.request_id]
             final = last[req.request_id] == i
             sink.push(Delta(text, req.finish_reason if final else None, len(req.output_token_ids)))
@@ -281,6 +319,20 @@ class EngineWorker:
             if req.finished and final:
                 del self.sinks[req.request_id]
                 self.metrics.finished_request(req)
+
+    def _watch_prefix(self, req: Request) -> None:
+        """Count (and once, log) a prompt whose shared prefix is too short for the prefix cache to reuse."""
+        if self.short_prefix is None:
+            return
+        shared = self.short_prefix.observe(req.prompt_token_ids)
+        if shared and req.num_cached_tokens == 0:
+            self.metrics.short_prefix.inc()
+            if not self.short_prefix_warned:
+                self.short_prefix_warned = True
+                log.warning("prompts share a %d-token prefix, shorter than one KV block (%d tokens): the prefix "
+                            "cache reuses whole blocks, so it cannot hit; a smaller --block-size or a longer "
+                            "shared prefix would let it (minillm:prefix_cache_short_shared_prefix counts them)",
+                            shared, self.short_prefix.block_size)
 
     def _snapshot(self) -> dict:
         """Counters published for /debug/engine and /metrics, so that no other thread reads the engine."""

@@ -318,6 +318,25 @@ def test_metrics_count_requests_tokens_and_blocks(llm):
         assert metrics(fresh.url)["vllm:prompt_tokens_total"] == 0
 
 
+def test_metrics_flag_a_shared_prefix_shorter_than_one_kv_block(smollm2_path, caplog):
+    """Prompts that share 10 tokens with 16-token blocks: the prefix cache cannot hit, and /metrics says so (once in
+    the log too); prompts that share whole blocks hit and are not flagged."""
+    llm = LLM(model=str(smollm2_path), dtype="float32", device="cpu", max_model_len=256, num_kv_blocks=NUM_KV_BLOCKS,
+              max_num_seqs=8, enable_prefix_caching=True, block_size=16)
+    system = list(range(1000, 1010))                                     # a 10-token shared "system prompt"
+    with serving(llm) as s, caplog.at_level("WARNING", logger="minillm.serving.server"):
+        for tail in (range(2000, 2030), range(3000, 3030)):
+            s.client.completions.create(model="smollm2", prompt=system + list(tail), max_tokens=2, temperature=0)
+        m = metrics(s.url)
+        assert m["minillm:prefix_cache_short_shared_prefix_total"] == 1 and m["vllm:prefix_cache_hits_total"] == 0
+        assert "10-token prefix, shorter than one KV block (16 tokens)" in caplog.text
+        long_system = list(range(4000, 4040))                            # 40 shared tokens: two whole blocks
+        for tail in (range(5000, 5010), range(6000, 6010)):
+            s.client.completions.create(model="smollm2", prompt=long_system + list(tail), max_tokens=2, temperature=0)
+        m = metrics(s.url)
+        assert m["minillm:prefix_cache_short_shared_prefix_total"] == 1 and m["vllm:prefix_cache_hits_total"] == 32
+
+
 # ---- 6. /health --------------------------------------------------------------------------------
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # the death is the point
