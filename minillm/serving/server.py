@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import sys
 import threading
 import time
 import uuid
@@ -538,10 +539,26 @@ def build_app(llm, served_model_name: str = "smollm2", api_key: str | None = Non
     return app
 
 
+def warm_up(llm) -> float:
+    """Run the engine's step shapes once before the port opens, so that the first users do not wait for
+    torch.compile: a prefill, a step of two decode rows (the compiled batched step) and one of a single row (the
+    compiled decode step). The prefix cache is emptied afterwards. -> seconds taken."""
+    t0 = time.perf_counter()
+    prompt = list(range(1, 1 + min(24, llm.max_model_len - 8)))                 # any token ids will do
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": prompt[::-1]}], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    llm.reset_prefix_cache()
+    return time.perf_counter() - t0
+
+
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str = "smollm2", **options) -> None:
-    """Serve in the foreground until Ctrl-C (python -m minillm serve); options go to build_app."""
+    """Serve in the foreground until Ctrl-C (python -m minillm serve); options go to build_app. The engine is
+    warmed (warm_up) before the port opens: a server that answers /health is ready at full speed."""
     import uvicorn
 
+    print(f"warming up the engine (compiling its steps) before opening port {port} ...", file=sys.stderr, flush=True)
+    print(f"warm-up took {warm_up(llm):.1f} s", file=sys.stderr, flush=True)
     uvicorn.run(build_app(llm, served_model_name, **options), host=host, port=port, log_level="info",
                 timeout_graceful_shutdown=5)             # then open streams are cut and their requests aborted
 

@@ -177,6 +177,26 @@ def test_serve_takes_the_api_key_from_the_flag_or_the_environment(monkeypatch):
     assert build_parser().parse_args(["serve", "--api-key", "k1"]).api_key == "k1"
 
 
+def test_serve_warms_the_engine_before_the_port_opens(monkeypatch):
+    """`minillm serve` compiles the engine's step shapes before uvicorn opens the port, and leaves no KV block held
+    and no prefix cached."""
+    import uvicorn
+
+    from helpers import CharTokenizer
+    from minillm.model.llama import random_model, tiny_config
+    from minillm.serving import server as server_module
+
+    tiny = LLM(model=random_model(tiny_config(), seed=0), tokenizer=CharTokenizer(), max_model_len=64,
+               enable_prefix_caching=True)
+    at_open = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: at_open.append(
+        (tiny.engine.runner.compiled_decode_steps, tiny.engine.runner.compiled_batched_steps)))
+    server_module.serve(tiny, port=1)
+    assert len(at_open) == 1 and all(count > 0 for count in at_open[0])
+    bm = tiny.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not tiny.engine.has_unfinished()
+
+
 def test_serve_passes_its_limit_flags_to_the_app(monkeypatch):
     import minillm
     import minillm.serving.server
