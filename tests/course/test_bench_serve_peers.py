@@ -35,3 +35,18 @@ def test_a_server_that_dies_while_starting_is_reported_with_its_log(tmp_path, mo
     monkeypatch.setattr(serve_peers, "server_command", lambda name, folder: (crash, None))
     with pytest.raises(RuntimeError, match="exited with code 3(.|\n)*cannot load the weights"):
         serve_peers.Server("minillm", tmp_path)
+
+
+def test_server_means_split_ttft_into_queue_and_prefill_from_the_metrics_text():
+    def text(queue_sum, prefill_sum, count):           # vLLM labels its histograms by model and engine
+        lines = []
+        for name, total in (("vllm:request_queue_time_seconds", queue_sum),
+                            ("vllm:request_prefill_time_seconds", prefill_sum)):
+            lines += [f"# TYPE {name} histogram", f'{name}_bucket{{engine="0",le="+Inf"}} {count}',
+                      f'{name}_sum{{engine="0"}} {total}', f'{name}_count{{engine="0"}} {count}']
+        return "\n".join(lines) + "\n"
+
+    before, after = serve_peers.histogram_totals(text(1.0, 2.0, 4)), serve_peers.histogram_totals(text(3.0, 2.5, 8))
+    means = serve_peers.server_means(before, after)
+    assert means["queue_ms"] == 500.0 and means["prefill_ms"] == 125.0
+    assert means["server_ttft_ms"] is None and means["decode_ms"] is None        # absent: no requests counted

@@ -16,7 +16,9 @@ and ignore_eos so that every request produces exactly its output length):
     shared-prefix  the same with a common 256-token prefix on every prompt (the prefix cache's case), at
                    concurrency 8
 Recorded per point: completed requests, output tok/s, TTFT / TPOT / ITL p50 and p99, request goodput at the SLO
-(TTFT <= SLO_TTFT_MS and TPOT <= SLO_TPOT_MS, vLLM's --goodput), as vLLM's generator reports them.
+(TTFT <= SLO_TTFT_MS and TPOT <= SLO_TPOT_MS, vLLM's --goodput), as vLLM's generator reports them; and each server's
+own mean queue, prefill, TTFT and decode time per request from its /metrics (both use vLLM's metric names), which
+split a TTFT into waiting and computing.
 """
 from __future__ import annotations
 
@@ -139,10 +141,48 @@ KEYS = {"completed": "completed", "output_tok_s": "output_throughput", "request_
         "e2el_p50_ms": "p50_e2el_ms"}
 
 
+# Each server's own account of where a request's time went (the same vLLM metric names in both): the point's
+# mean per request, from the /metrics histograms' sums and counts before and after it
+SERVER_HISTOGRAMS = {"queue_ms": "vllm:request_queue_time_seconds", "prefill_ms": "vllm:request_prefill_time_seconds",
+                     "server_ttft_ms": "vllm:time_to_first_token_seconds",
+                     "decode_ms": "vllm:request_decode_time_seconds"}
+
+
+def histogram_totals(text: str) -> dict[str, tuple[float, float]]:
+    """Prometheus text -> {SERVER_HISTOGRAMS key: (sum, count)} over every label set (vLLM labels by model and
+    engine)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {key: [0.0, 0.0] for key in SERVER_HISTOGRAMS}
+    names = {name: key for key, name in SERVER_HISTOGRAMS.items()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            base, _, part = sample.name.rpartition("_")
+            if base in names and part in ("sum", "count"):
+                totals[names[base]][part == "count"] += sample.value
+    return {key: (total, count) for key, (total, count) in totals.items()}
+
+
+def server_means(before: dict, after: dict) -> dict[str, float | None]:
+    """Mean milliseconds per request of each SERVER_HISTOGRAMS entry between two histogram_totals."""
+    out = {}
+    for key in SERVER_HISTOGRAMS:
+        total, count = (a - b for a, b in zip(after[key], before[key]))
+        out[key] = 1000 * total / count if count else None
+    return out
+
+
+def scrape(server) -> dict:
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as response:
+        return histogram_totals(response.read().decode())
+
+
 def drive(server: Server, folder: Path, concurrency: int, prompts: int, output_len: int, prefix_len: int = 0) -> dict:
-    """One point: vLLM's generator against `server` -> the KEYS of its result file."""
+    """One point: vLLM's generator against `server` -> the KEYS of its result file, and the server's own mean
+    queue, prefill, TTFT and decode time per request (SERVER_HISTOGRAMS, from its /metrics)."""
     from .peers import vllm_python
 
+    before = scrape(server)
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         args = generator_args(server.url, folder, concurrency, prompts, output_len, prefix_len, result)
@@ -151,7 +191,7 @@ def drive(server: Server, folder: Path, concurrency: int, prompts: int, output_l
             raise RuntimeError(f"vllm bench serve against {server.name} failed (exit {done.returncode}):\n"
                                f"{done.stderr[-3000:]}\nserver log:\n{server.tail()}")
         raw = json.loads(result.read_text())
-    return {key: raw.get(name) for key, name in KEYS.items()}
+    return {**{key: raw.get(name) for key, name in KEYS.items()}, **server_means(before, scrape(server))}
 
 
 def points(cfg: dict) -> list[dict]:
@@ -186,8 +226,8 @@ def run(quick: bool, json_path: str | None = None) -> dict:
     for i, p in enumerate(plan):
         row = dict(p)
         for name in PORTS:
-            for key in KEYS:
-                values = [x[key] for x in runs[name][i] if x[key] is not None]
+            for key in (*KEYS, *SERVER_HISTOGRAMS):
+                values = [x[key] for x in runs[name][i] if x.get(key) is not None]
                 row[f"{name}_{key}"] = statistics.median(values) if values else None
         for key in ("output_tok_s", "request_goodput"):
             ours, theirs = row[f"minillm_{key}"], row[f"vllm_{key}"]
