@@ -35,7 +35,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}     # cpu_decode.c's F32, BF16
 MAX_G, MAX_D, MAX_BLOCK = 16, 256, 256             # cpu_decode.c's limits (query heads per KV head, head size, block)
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """This CPU's instruction sets: -march=native compiles for them, and a library built on another CPU
     could use instructions this one lacks."""
     try:
@@ -47,7 +47,7 @@ def _cpu_flags() -> str:
 def library_path() -> Path:
     from minillm.loading.loader import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + cpu_flags().encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"cpu_decode-{key}.so"
 
 

@@ -28,6 +28,8 @@ from torch import nn
 
 from .int4 import FP16_TINY
 
+SMOOTHQUANT_ALPHA = 0.5        # the migration strength SmoothQuant's paper uses for most models, and the best here
+
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (N, in) float -> (q int8 (N, in), scale fp32 (N, 1)): symmetric, one absmax scale per row (a token's
@@ -84,7 +86,8 @@ def quantize(w: torch.Tensor) -> dict:
     return {"q": q, "scale": scale}
 
 
-def smoothing_factors(act_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: float = 0.5) -> torch.Tensor:
+def smoothing_factors(act_absmax: torch.Tensor, weights: list[torch.Tensor],
+                      alpha: float = SMOOTHQUANT_ALPHA) -> torch.Tensor:
     """SmoothQuant's per-input-channel factors s (in,) for the projections that read one input (q, k, v; or
     gate, up): act_absmax (in,) the largest |x_j| seen in calibration; weights: their (out, in) matrices.
     alpha in [0, 1]: 0 leaves the activations as they are (s = 1 / max|W_j|, all the range on x), 1 moves
@@ -97,7 +100,7 @@ def smoothing_factors(act_absmax: torch.Tensor, weights: list[torch.Tensor], alp
 
 
 @torch.no_grad()
-def smooth_block(block, h, cos, sin, alpha: float = 0.5) -> None:
+def smooth_block(block, h, cos, sin, alpha: float = SMOOTHQUANT_ALPHA) -> None:
     """SmoothQuant on one transformer block (weights stay float), from its inputs h (N, T, dim): the input
     channels of q, k, v folded into attn_norm, those of gate and up into ffn_norm, those of down into w_up's
     rows (down reads silu(gate) * up, linear in up), each with the largest |x_j| the block's linears see."""
@@ -117,7 +120,7 @@ def smooth_block(block, h, cos, sin, alpha: float = 0.5) -> None:
 
 
 @torch.no_grad()
-def quantize_model_w8a8(model, ids: torch.Tensor | None, alpha: float = 0.5, progress: bool = False):
+def quantize_model_w8a8(model, ids: torch.Tensor | None, alpha: float = SMOOTHQUANT_ALPHA, progress: bool = False):
     """Every linear of model.layers as a "w8a8" QuantLinear; with calibration ids (N, T), each block smoothed
     first (smooth_block, alpha) on the hidden states the quantised blocks before it produce; without, plain W8A8."""
     from . import quantize_linear, replace_module

@@ -37,6 +37,8 @@ import time
 
 import torch
 
+from minillm.quant.w8a8 import SMOOTHQUANT_ALPHA
+
 from . import common
 
 NAME = "quant"
@@ -63,9 +65,9 @@ SPECS = {
     "nf4-bf16": ("nf4", {}),
     # weight AND activation (the activations part): W8A8 plain and SmoothQuant'd, FP8 (e4m3) weights
     "w8a8": ("w8a8", {}),
-    "w8a8-sq": ("w8a8", {"alpha": 0.5}),
+    "w8a8-sq": ("w8a8", {"alpha": SMOOTHQUANT_ALPHA}),
     "fp8": ("fp8", {}),
-    "w8a8-sq-bf16": ("w8a8", {"alpha": 0.5}),
+    "w8a8-sq-bf16": ("w8a8", {"alpha": SMOOTHQUANT_ALPHA}),
 }
 BF16_KEYS = ("bf16", "int8-bf16", "int4-g128-bf16", "gptq-4bit-g128-bf16", "awq-4bit-g128-bf16", "nf4-bf16",
              "w8a8-sq-bf16")
@@ -236,7 +238,8 @@ SITES = {"qkv": ("attn.wq", ("attn.wq", "attn.wk", "attn.wv")), "gate_up": ("ffn
 
 
 @torch.no_grad()
-def outlier_sites(base, calibration_ids: torch.Tensor, eval_ids: torch.Tensor, alpha: float = 0.5) -> dict:
+def outlier_sites(base, calibration_ids: torch.Tensor, eval_ids: torch.Tensor,
+                  alpha: float = SMOOTHQUANT_ALPHA) -> dict:
     """Why plain W8A8 loses on this model, and what SmoothQuant recovers, at each projection input of every block
     of the float model, each layer alone on the float model's own inputs (not the sequential, quantised inputs
     quantize_model calibrates on). a_j = max |x_j| over the calibration tokens. Per site and layer:
@@ -379,12 +382,10 @@ def int8_gemm(quick: bool) -> dict:
     """torch._int_mm (int8 x int8 -> int32) against the bf16 GEMM (F.linear) at SmolLM2's gate-up shape
     (M, 576) x (576, 3072), GFLOP/s, medians; and which 8-bit integer instructions the CPU lists
     (/proc/cpuinfo: AVX-512 VNNI, AVX-VNNI, AMX-INT8). Which of them torch's kernel uses is its own choice."""
+    from minillm.attention.cpu_decode import cpu_flags
     from minillm.perf.timing import time_median
 
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        flags = []
+    flags = cpu_flags().split()
     w = torch.randn(3072, 576)
     qw, wb = w.to(torch.int8), w.to(torch.bfloat16)
     rows = []
@@ -398,7 +399,7 @@ def int8_gemm(quick: bool) -> dict:
     return {"cpu_flags": {f: f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8", "avx512_bf16")}, "results": rows}
 
 
-def activations(base, tokenizer, calibration_ids, rows: list[dict], cfg: dict, llm) -> dict:
+def activations(base, tokenizer, calibration_ids, rows: list[dict], cfg: dict, llm, quick: bool) -> dict:
     """The activations part's summary: perplexity of W8A8 (plain, SmoothQuant), FP8 and their bf16 peers (rows, from
     measure), the alpha sweep, the outlier sites, the engine's speed and the int8 GEMM."""
     from minillm.evaluate import token_windows, evaluation_text
@@ -412,8 +413,8 @@ def activations(base, tokenizer, calibration_ids, rows: list[dict], cfg: dict, l
         out["ppl_increase_pct_bf16"] = {k: 100 * (ppl[k] / ppl["bf16"] - 1) for k in ("int8-bf16", "w8a8-sq-bf16")
                                         if k in ppl}
     out["alpha_sweep"] = alpha_sweep(base, calibration_ids, llm, cfg)
-    out["outliers"] = outlier_sites(base, calibration_ids, eval_ids, alpha=0.5)
-    out["int8_gemm"] = int8_gemm(cfg["eval_windows"] == 1)
+    out["outliers"] = outlier_sites(base, calibration_ids, eval_ids, alpha=SMOOTHQUANT_ALPHA)
+    out["int8_gemm"] = int8_gemm(quick)
     out["engine"] = activation_speed(base, tokenizer, calibration_ids, cfg)
     return out
 
@@ -476,7 +477,7 @@ def run(quick: bool, partial_path=None, part: str | None = None) -> dict:
         summary["kv_cache"] = kv_cache_rows(base, tokenizer, cfg)
         summary["w4a16_kernel"] = kernel_benchmark(quick)      # GPU only; says so when not measured
     if part != "weights":
-        summary["activations"] = activations(base, tokenizer, calibration_ids, rows, cfg, llm)
+        summary["activations"] = activations(base, tokenizer, calibration_ids, rows, cfg, llm, quick)
     return common.document(NAME, _config(cfg, quick, part), rows, summary)
 
 
