@@ -216,6 +216,18 @@ def check_model(config: EngineConfig, model_cfg) -> None:
     if config.scheduler.max_model_len > limit:
         raise ValueError(f"max_model_len = {config.scheduler.max_model_len} exceeds the model's context of "
                          f"{limit} tokens; allowed: 2..{limit}")
+    if model_cfg.mla is not None or model_cfg.moe is not None:
+        refused = [f"{name} = {value!r} (allowed: {allowed!r})" for name, value, allowed in (
+            ("quantization", config.run.quantization, None), ("kv_cache_dtype", config.cache.kv_cache_dtype, "auto"),
+            ("tensor_parallel_size", config.parallel.tensor_parallel_size, 1),
+            ("pipeline_parallel_size", config.parallel.pipeline_parallel_size, 1)) if value != allowed]
+        if model_cfg.mla is not None and config.run.attention_backend == "flash":
+            refused.append("attention_backend = 'flash' (its values must be as wide as its keys; allowed: 'sdpa', 'naive')")
+        if config.speculative.method not in (None, "ngram"):
+            refused.append(f"speculative_method = {config.speculative.method!r} (allowed: None, 'ngram')")
+        if refused:
+            raise ValueError(f"an MLA / mixture-of-experts model (DeepSeek, Mixtral) runs in the engine without: "
+                             f"{'; '.join(refused)}")
     if model_cfg.sliding_window is not None and config.run.attention_backend == "flash":
         raise ValueError(f"attention_backend = 'flash' has no sliding window, and this model attends to the last "
                          f"{model_cfg.sliding_window} tokens only; allowed here: 'sdpa', 'naive'")

@@ -154,7 +154,7 @@ class TorchBackend:
             if in_order:                                                  # rows are 0..N-1, one each
                 return od
             if out is None:
-                out = torch.empty_like(q)
+                out = self.output_like(q)
             if od.dim() == 3:                                             # (Bg, Hq, D): one query per request
                 out[g.rows[:, 0]] = od
             else:                                                         # (Bg, Tq, Hq, D)
@@ -173,7 +173,7 @@ class TorchBackend:
     def attend_prefills(self, layer: int, q, batch, out):
         """Every prefill run attends causally to its cached keys and its own; -> out (N, Hq, D)."""
         if out is None:
-            out = torch.empty_like(q)
+            out = self.output_like(q)
         for run in batch.prefills:
             rows = slice(run.row, run.row + run.length)
             qp = q[rows].transpose(0, 1)[None]                            # (1, Hq, T, D)
@@ -182,6 +182,11 @@ class TorchBackend:
             values = values[:, :run.start + run.length].transpose(1, 2)
             out[rows] = self.prefill_attention(qp, keys, values, causal=True, window=self.window)[0].transpose(0, 1)
         return out
+
+    def output_like(self, q):
+        """An empty output (N, Hq, value width) for q (N, Hq, D): the values are narrower than the keys in a
+        latent (MLA) cache."""
+        return q.new_empty(*q.shape[:-1], self.kv.value_dim)
 
     def _decode_buffers(self, batch) -> tuple | None:
         """Two (Bg * n, block_size, Hkv, D) buffers, for the largest gathered decode group, that every
@@ -235,7 +240,7 @@ class AllDecodesBackend(TorchBackend):
         od = self.decode(qd, self.kv.k[layer], self.kv.v[layer], batch.decode_tables, batch.decode_lens)
         if only_decodes:
             return od
-        out = torch.empty_like(q)
+        out = self.output_like(q)
         out[batch.decode_rows] = od
         return out
 
@@ -268,6 +273,8 @@ def choose_backend(kv, triton: bool, n_heads: int) -> str:
     layout (n_heads query heads), else the compiled PyTorch kernel; an int8/fp8 cache: torch."""
     if kv.quantized:
         return "torch"
+    if kv.latent:                                   # values narrower than keys: the kernels that index v as k do not apply
+        return "cpu-fused" if kv.k.device.type == "cpu" and not triton else "torch"
     if triton or kv.k.device.type == "cuda":
         return "triton"
     from . import cpu_decode
@@ -280,6 +287,9 @@ def make_backend(name: str, kv, prefill: str = "sdpa", run_compiled=None, window
     if name == "triton" and window is not None:
         raise ValueError("the 'triton' paged decode kernel has no sliding window; a windowed model (Mistral) "
                          "runs on the CPU backends ('cpu-fused', 'torch')")
+    if name in ("triton", "cpu") and kv.latent:
+        raise ValueError(f"the {name!r} attention backend reads values as wide as keys; a latent (MLA) cache runs on "
+                         "'torch' or 'cpu-fused'")
     if name == "triton" and kv.quantized:
         raise ValueError("the 'triton' attention backend reads the cache in the model's dtype; an int8/fp8 "
                          "KV cache needs 'torch' (its gather dequantises)")

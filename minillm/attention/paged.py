@@ -131,10 +131,10 @@ def decode_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     compiled use only (the runner falls back to gather + SDPA where compiling fails).
     """
     B, Hq, D = q.shape
-    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    block_size, Hkv, Dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]     # Dv < D: a latent (MLA) cache
     G, L = Hq // Hkv, block_tables.shape[1] * block_size
     keys = k_cache[block_tables].view(B, L, Hkv, D).permute(0, 2, 1, 3).float()       # (B, Hkv, L, D)
-    values = v_cache[block_tables].view(B, L, Hkv, D).permute(0, 2, 1, 3).float()
+    values = v_cache[block_tables].reshape(B, L, Hkv, Dv).permute(0, 2, 1, 3).float()  # (B, Hkv, L, Dv)
     qg = q.view(B, Hkv, G, D).float() * D ** -0.5                                         # (B, Hkv, G, D)
     scores = (qg[:, :, :, None, :] * keys[:, :, None]).sum(-1)                          # (B, Hkv, G, L)
     key_pos = torch.arange(L, device=q.device)
@@ -143,8 +143,8 @@ def decode_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         past = past | (key_pos < seq_lens[:, None, None, None] - window)
     weights = torch.softmax(scores.masked_fill(past, float("-inf")), dim=-1)            # (B, Hkv, G, L)
     values = values.masked_fill(past.transpose(-1, -2), 0.0)                             # stale inf/nan * 0 would be nan
-    out = (weights[..., None] * values[:, :, None]).sum(-2)                              # (B, Hkv, G, D)
-    return out.reshape(B, Hq, D).to(q.dtype)
+    out = (weights[..., None] * values[:, :, None]).sum(-2)                              # (B, Hkv, G, Dv)
+    return out.reshape(B, Hq, Dv).to(q.dtype)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

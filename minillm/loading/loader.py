@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 
 from minillm.model.llama import Llama, ModelConfig
+from minillm.model.mla import MLAShape
+from minillm.model.moe import MoEShape
 from .gguf_file import read_gguf
 from .tokenizer import ChatTokenizer, tokenizer_from_gguf_metadata
 
@@ -232,7 +234,19 @@ _HF_LAYER_NAMES = {
     "self_attn.q_norm.weight": "attn.q_norm.weight", "self_attn.k_norm.weight": "attn.k_norm.weight",
     "mlp.gate_proj.weight": "ffn.w_gate.weight", "mlp.up_proj.weight": "ffn.w_up.weight",
     "mlp.down_proj.weight": "ffn.w_down.weight",
+    # DeepSeek-V3: multi-head latent attention (model/mla.py) and the MoE layer's router and shared experts
+    "self_attn.q_a_proj.weight": "attn.wq_a.weight", "self_attn.q_a_layernorm.weight": "attn.q_norm.weight",
+    "self_attn.q_b_proj.weight": "attn.wq_b.weight", "self_attn.kv_a_proj_with_mqa.weight": "attn.wkv_a.weight",
+    "self_attn.kv_a_layernorm.weight": "attn.kv_norm.weight", "self_attn.kv_b_proj.weight": "attn.wkv_b.weight",
+    "mlp.gate.weight": "ffn.router.weight", "mlp.gate.e_score_correction_bias": "ffn.router_bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn.shared.w_gate.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn.shared.w_up.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn.shared.w_down.weight",
+    "block_sparse_moe.gate.weight": "ffn.router.weight",                                 # Mixtral
 }
+# One routed expert's tensors in a checkpoint (DeepSeek's names, Mixtral's w1 w3 w2), stacked into (E, ...) weights.
+_HF_EXPERT_NAMES = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down",
+                    "w1": "w_gate", "w3": "w_up", "w2": "w_down"}
 # What each family adds to the Llama layer, and the defaults of its transformers config class for the
 # fields that change the math (a config.json may leave a default out).
 HF_FAMILIES = {
@@ -240,9 +254,13 @@ HF_FAMILIES = {
     "mistral": dict(qkv_bias=False, qk_norm=False, sliding_window=4096),
     "qwen2": dict(qkv_bias=True, qk_norm=False, sliding_window=None),
     "qwen3": dict(qkv_bias=False, qk_norm=True, sliding_window=None),
+    "mixtral": dict(qkv_bias=False, qk_norm=False, sliding_window=None),     # Mistral's layer, MoE MLP
+    "deepseek_v3": dict(qkv_bias=False, qk_norm=False, sliding_window=None),  # MLA + sigmoid-routed MoE
 }
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                    "Qwen3ForCausalLM": "qwen3"}
+                    "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral",
+                    "DeepseekV3ForCausalLM": "deepseek_v3"}
+WINDOWED_FAMILIES = ("mistral", "mixtral")
 
 
 def hf_family(cfg: dict) -> str:
@@ -282,11 +300,13 @@ def refuse_unsupported_hf_fields(cfg: dict, family: str) -> None:
         problems.append("attention_bias=true (biases on q, k, v and o)")
     if cfg.get("mlp_bias", False):
         problems.append("mlp_bias=true")
-    if family != "mistral" and hf_sliding_window(cfg, family) is not None:
+    if family not in WINDOWED_FAMILIES and hf_sliding_window(cfg, family) is not None:
         problems.append(f"sliding_window={cfg['sliding_window']} on some layers (sliding-window attention: minillm "
                         "implements one window for every layer, Mistral's)")
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
         problems.append(f"partial_rotary_factor={cfg['partial_rotary_factor']} (RoPE on part of each head)")
+    if family == "deepseek_v3" and not cfg.get("rope_interleave", True):
+        problems.append("rope_interleave=false (MLA's RoPE rows in the rotate-half layout)")
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(name) is not None:
             problems.append(f"{name}={cfg[name]} (logit soft-capping)")
@@ -298,8 +318,26 @@ def hf_sliding_window(cfg: dict, family: str) -> int | None:
     """The window a config.json asks for, None where attention is full (no window, or one that never
     binds: at least max_position_embeddings)."""
     window = cfg.get("sliding_window", HF_FAMILIES[family]["sliding_window"])
-    uses = cfg.get("use_sliding_window", family == "mistral") or "sliding_attention" in (cfg.get("layer_types") or [])
+    uses = cfg.get("use_sliding_window", family in WINDOWED_FAMILIES) or "sliding_attention" in (cfg.get("layer_types") or [])
     return window if uses and window is not None and window < cfg.get("max_position_embeddings", 2048) else None
+
+
+def hf_mla_moe(cfg: dict, family: str) -> tuple[MLAShape | None, MoEShape | None]:
+    """A DeepSeek-V3 config's latent attention and expert layout, a Mixtral config's experts; None elsewhere."""
+    if family == "mixtral":
+        return None, MoEShape(n_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                              expert_ffn_dim=cfg["intermediate_size"], router="softmax", norm_topk=True)
+    if family != "deepseek_v3":
+        return None, None
+    mla = MLAShape(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
+                   qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+                   v_head_dim=cfg["v_head_dim"])
+    moe = MoEShape(n_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"],
+                   expert_ffn_dim=cfg["moe_intermediate_size"], router="sigmoid",
+                   n_shared=cfg.get("n_shared_experts") or 0, n_group=cfg.get("n_group", 1),
+                   topk_group=cfg.get("topk_group", 1), norm_topk=cfg.get("norm_topk_prob", True),
+                   routed_scale=cfg.get("routed_scaling_factor", 1.0), first_dense=cfg.get("first_k_dense_replace", 0))
+    return mla, moe
 
 
 def config_from_hf(cfg: dict) -> ModelConfig:
@@ -307,16 +345,17 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     refuse_unsupported_hf_fields(cfg, family)
     n_heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {}
+    mla, moe = hf_mla_moe(cfg, family)
     return ModelConfig(
         vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
-        n_heads=n_heads, n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+        n_heads=n_heads, n_kv_heads=n_heads if mla else cfg.get("num_key_value_heads") or n_heads,
+        head_dim=mla.qk_rope_head_dim if mla else cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
         ffn_dim=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
         max_seq_len=cfg.get("max_position_embeddings", 2048),
         tie_embeddings=cfg.get("tie_word_embeddings", False),
         qkv_bias=HF_FAMILIES[family]["qkv_bias"], qk_norm=HF_FAMILIES[family]["qk_norm"],
-        rope_scaling=hf_rope_scaling(cfg), sliding_window=hf_sliding_window(cfg, family),
+        rope_scaling=hf_rope_scaling(cfg), sliding_window=hf_sliding_window(cfg, family), mla=mla, moe=moe,
     )
 
 
@@ -338,7 +377,7 @@ def hf_state_dict(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         if missing:
             raise ValueError(f"{folder}: {len(missing)} of the {len(shards)} shards the index lists are missing "
                              f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})")
-    out = {}
+    out, experts = {}, {}
     for f in sorted(folder.glob("*.safetensors")):
         for name, t in load_file(str(f)).items():
             if name.endswith("rotary_emb.inv_freq"):
@@ -353,12 +392,21 @@ def hf_state_dict(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
                 key = "lm_head.weight"
             elif name.startswith("model.layers."):
                 _, _, i, rest = name.split(".", 3)
+                parts = rest.split(".")                    # mlp.experts.{j}.{proj}.weight: one routed expert
+                if len(parts) == 5 and parts[1] == "experts" and parts[3] in _HF_EXPERT_NAMES:
+                    experts[f"layers.{i}.ffn.{_HF_EXPERT_NAMES[parts[3]]}", int(parts[2])] = t.float()
+                    continue
                 if rest not in _HF_LAYER_NAMES:
                     raise ValueError(f"{f.name}: tensor {name} has no place in minillm's Llama layer")
                 key = f"layers.{i}.{_HF_LAYER_NAMES[rest]}"
             else:
                 raise ValueError(f"{f.name}: tensor {name} has no place in minillm's model")
-            out[key] = to_interleaved(key, t.float(), cfg)
+            out[key] = t.float() if cfg.mla else to_interleaved(key, t.float(), cfg)   # MLA's RoPE rows: interleaved
+    for key in {key for key, _ in experts}:
+        count = 1 + max(j for k, j in experts if k == key)
+        if any((key, j) not in experts for j in range(count)):
+            raise ValueError(f"{folder}: {key} is missing some experts of 0 .. {count - 1}")
+        out[key] = torch.stack([experts[key, j] for j in range(count)])      # (E, out, in)
     return out
 
 
@@ -388,7 +436,8 @@ def save_hf_folder(model: Llama, tokenizer: ChatTokenizer, folder: str | os.Path
 
     cfg = model.cfg
     extras = [name for name, on in (("qkv_bias", cfg.qkv_bias), ("qk_norm", cfg.qk_norm),
-                                    ("sliding_window", cfg.sliding_window), ("rope_scaling", cfg.rope_scaling)) if on]
+                                    ("sliding_window", cfg.sliding_window), ("rope_scaling", cfg.rope_scaling),
+                                    ("mla", cfg.mla), ("moe", cfg.moe)) if on]
     if extras:
         raise ValueError(f"save_hf_folder writes the plain Llama family; this model has {', '.join(extras)}")
     folder = Path(folder)

@@ -13,6 +13,9 @@ What differs between the ways the engine runs this layer is data, not code:
   linears side by side). `project` applies whichever it is. q, k, v come from ONE matrix and
   gate, up from ONE: fused once, at load time (transforms.fuse_projections). qk_norm: None, or
   the (q_norm, k_norm) weights (D,) of a model that RMS-normalises each head of q and k (Qwen3).
+  DeepSeek's two changes are data too: an MLA layer's qkv is a mla.LatentProjections (q, k, v over the
+  latent cache, and the latent outputs mapped to the heads' values afterwards); a mixture-of-experts
+  layer's gate_up is the whole MLP (a moe.MoE: route, run the chosen experts, add) and its down is None.
 - `attention`: a closure over the step's attention metadata (model/runner.py).
 - compiled or not, on CPU: a step whose only row is one decode token runs this same function under
   torch.compile with its attention inside (compiled_decode_layer below: each layer becomes a few
@@ -27,6 +30,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .mla import LatentProjections
 from .positions import apply_rope
 
 
@@ -129,17 +133,23 @@ def decoder_layer(h: torch.Tensor, weights: tuple, rope, attention, n_heads: int
     N = h.shape[0]
     Hq, Hkv = n_heads, n_kv_heads
     x = F.rms_norm(h, attn_norm.shape, attn_norm, eps)                           # (N, dim)
-    qkv_out = project(qkv, x)                                                    # (N, (Hq+2Hkv)*D)
-    D = qkv_out.shape[-1] // (Hq + 2 * Hkv)
-    qk, v = qkv_out.split([(Hq + Hkv) * D, Hkv * D], dim=-1)
-    qk = qk.view(N, Hq + Hkv, D)                                                 # (N, Hq+Hkv, D): q, k together
-    if qk_norm is not None:                                                      # each head RMS-normalised
-        q_norm, k_norm = qk_norm
-        qk = torch.cat([F.rms_norm(qk[:, :Hq], (D,), q_norm, eps), F.rms_norm(qk[:, Hq:], (D,), k_norm, eps)], 1)
-    qk = rope(qk)
-    out = attention(qk[:, :Hq], qk[:, Hq:], v.view(N, Hkv, D))                   # (N, Hq, D)
+    if isinstance(qkv, LatentProjections):                                       # MLA: over the latent cache
+        out = qkv.values(attention(*qkv(x, rope)))                               # (N, H, d_v)
+    else:
+        qkv_out = project(qkv, x)                                                # (N, (Hq+2Hkv)*D)
+        D = qkv_out.shape[-1] // (Hq + 2 * Hkv)
+        qk, v = qkv_out.split([(Hq + Hkv) * D, Hkv * D], dim=-1)
+        qk = qk.view(N, Hq + Hkv, D)                                             # (N, Hq+Hkv, D): q, k together
+        if qk_norm is not None:                                                  # each head RMS-normalised
+            q_norm, k_norm = qk_norm
+            qk = torch.cat([F.rms_norm(qk[:, :Hq], (D,), q_norm, eps), F.rms_norm(qk[:, Hq:], (D,), k_norm, eps)], 1)
+        qk = rope(qk)
+        out = attention(qk[:, :Hq], qk[:, Hq:], v.view(N, Hkv, D))               # (N, Hq, D)
     h = h + project(wo, out.flatten(1))                                      # (N, Hq*D) -> (N, dim)
-    gate, up = project(gate_up, F.rms_norm(h, ffn_norm.shape, ffn_norm, eps)).chunk(2, dim=-1)   # (N, ffn) each
+    x = F.rms_norm(h, ffn_norm.shape, ffn_norm, eps)
+    if down is None:                                                             # a mixture of experts (model/moe.py)
+        return h + gate_up(x)
+    gate, up = project(gate_up, x).chunk(2, dim=-1)                              # (N, ffn) each
     return h + project(down, F.silu(gate) * up)
 
 

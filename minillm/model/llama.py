@@ -6,6 +6,9 @@ is proven equal to this file, so it stays short and obvious:
     tokens -> embedding -> 30 x [RMSNorm -> attention (RoPE, GQA) -> + ; RMSNorm -> SwiGLU -> +]
            -> RMSNorm -> tied LM head -> logits
 
+DeepSeek's two changes are a different attention and a different MLP in the same block (ModelConfig.mla:
+multi-head latent attention, model/mla.py; ModelConfig.moe: a mixture of experts, model/moe.py).
+
 Each call recomputes attention over the whole sequence: generating n tokens costs O(n^2) work.
 RoPE rotates *interleaved* pairs (0,1), (2,3), ... (minillm/model/positions.py, shared by every path).
 """
@@ -18,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .mla import LatentAttention, MLAShape
+from .moe import MoE, MoEShape
 from .positions import ROPE_SCALINGS, apply_rope, causal_mask, rope_cos_sin
 
 
@@ -29,8 +34,8 @@ class ModelConfig:
     n_layers: int
     n_heads: int               # query heads
     n_kv_heads: int            # key/value heads (GQA: n_heads // n_kv_heads queries share one)
-    head_dim: int
-    ffn_dim: int               # SwiGLU inner size
+    head_dim: int              # with MLA: the RoPE width (qk_rope_head_dim)
+    ffn_dim: int               # SwiGLU inner size (with MoE: of the dense layers before moe.first_dense)
     rope_theta: float
     max_seq_len: int           # positions the model was trained for
     norm_eps: float = 1e-5
@@ -39,8 +44,18 @@ class ModelConfig:
     qk_norm: bool = False      # Qwen3: RMSNorm over each head of q and k, before RoPE
     sliding_window: int | None = None   # Mistral: each token attends to the last this many (itself included)
     rope_scaling: dict | None = None   # a longer context than trained for (positions.scale_frequencies)
+    mla: MLAShape | None = None        # DeepSeek: multi-head latent attention instead of GQA (model/mla.py)
+    moe: MoEShape | None = None        # a mixture of experts instead of the MLP (model/moe.py)
 
     def __post_init__(self):
+        if isinstance(self.mla, dict):                   # from to_dict (a saved quantised model's metadata)
+            self.mla = MLAShape(**self.mla)
+        if isinstance(self.moe, dict):
+            self.moe = MoEShape(**self.moe)
+        if self.mla is not None and (self.n_kv_heads != self.n_heads or self.head_dim != self.mla.qk_rope_head_dim
+                                     or self.qkv_bias or self.qk_norm):
+            raise ValueError("an MLA model has n_kv_heads = n_heads, head_dim = mla.qk_rope_head_dim (the RoPE "
+                             "width) and no q/k/v biases or QK-norm")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
@@ -65,13 +80,19 @@ class ModelConfig:
         """A copy with some fields changed (a variant of a named shape: SMOLLM2_135M.replace(n_kv_heads=9))."""
         return replace(self, **changes)
 
-    def num_parameters(self) -> int:
+    def num_parameters(self, active: bool = False) -> int:
+        """Every weight; active=True: a MoE model's weights one token runs (top_k routed experts of each layer)."""
         d, kv = self.dim, self.n_kv_heads * self.head_dim
         q = self.n_heads * self.head_dim
         attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0)
-        layer = attn + 3 * d * self.ffn_dim + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
+        if self.mla is not None:
+            attn = self.mla.num_parameters(d, self.n_heads)
+        dense = 3 * d * self.ffn_dim
+        mlps = sum(self.moe.num_parameters(d, active) if self.moe and self.moe.is_moe_layer(i) else dense
+                   for i in range(self.n_layers))
+        layers = self.n_layers * (attn + 2 * d + (2 * self.head_dim if self.qk_norm else 0)) + mlps
         head = 0 if self.tie_embeddings else self.vocab_size * d
-        return self.vocab_size * d + self.n_layers * layer + d + head
+        return self.vocab_size * d + layers + d + head
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -94,24 +115,26 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def naive_attention_fp32(q, k, v, causal: bool = True, window: int | None = None):
+def naive_attention_fp32(q, k, v, causal: bool = True, window: int | None = None, scale: float | None = None):
     """softmax(q k^T / sqrt(d)) v with the (T, S) score matrix materialised, computed in fp32
     whatever q's dtype (the definition of right), returned in q's dtype.
-    q: (B, Hq, T, hd); k, v: (B, Hkv, S, hd). With S > T the queries are the last T positions.
-    window: each query sees only the last `window` keys up to itself (positions.causal_mask).
+    q: (B, Hq, T, hd); k: (B, Hkv, S, hd); v: (B, Hkv, S, hd_v). With S > T the queries are the last T
+    positions. window: each query sees only the last `window` keys up to itself (positions.causal_mask);
+    scale: instead of 1/sqrt(hd) (MLA's absorbed form, whose q is wider than the head it stands for).
     (attention.flash.naive_attention_in_dtype is the same math in q's own dtype.)"""
     n_rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(n_rep, dim=1)                    # (B, Hq, S, hd): copies for GQA
     v = v.repeat_interleave(n_rep, dim=1)                    # (B, Hq, S, hd)
-    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, Hq, T, S)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale              # (B, Hq, T, S)
     if causal:
         mask = causal_mask(*scores.shape[-2:], device=q.device, window=window)   # (T, S)
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = scores.softmax(dim=-1)                           # (B, Hq, T, S)
-    return (probs @ v.float()).type_as(q)                    # (B, Hq, T, hd)
+    return (probs @ v.float()).type_as(q)                    # (B, Hq, T, hd_v)
 
 
-def sdpa_attention(q, k, v, causal: bool = True, window: int | None = None):
+def sdpa_attention(q, k, v, causal: bool = True, window: int | None = None, scale: float | None = None):
     """The same attention by torch's fused F.scaled_dot_product_attention (GQA without copying
     K/V). Its is_causal aligns the mask top-left, so queries after a cached prefix (1 < T < S)
     get the explicit causal_mask; one query row sees every key and needs none (unless a sliding
@@ -120,7 +143,7 @@ def sdpa_attention(q, k, v, causal: bool = True, window: int | None = None):
     windowed = causal and window is not None and window < S
     mask = causal_mask(T, S, q.device, window) if causal and (1 < T < S or windowed) else None   # (T, S) or None
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and 1 < T == S and mask is None,
-                                          enable_gqa=True)                  # (B, Hq, T, hd)
+                                          scale=scale, enable_gqa=True)     # (B, Hq, T, hd_v)
 
 
 ATTENTION_BACKENDS = ("naive", "sdpa", "flash")
@@ -146,11 +169,14 @@ def attention_function(backend: str):
         return sdpa_attention
     from minillm.attention.flash import flash_attention
 
-    def flash(q, k, v, causal: bool = True, window: int | None = None):
+    def flash(q, k, v, causal: bool = True, window: int | None = None, scale: float | None = None):
         if window is not None:
             raise ValueError("attention_backend='flash' has no sliding window; a windowed model (Mistral) "
                              "runs with 'sdpa' or 'naive'")
-        return flash_attention(q, k, v, causal)
+        if v.shape[-1] != q.shape[-1]:
+            raise ValueError("attention_backend='flash' needs values as wide as keys; an MLA model (DeepSeek) "
+                             "runs with 'sdpa' or 'naive'")
+        return flash_attention(q, k, v, causal, scale)
     return flash
 
 
@@ -185,23 +211,24 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ffn_dim: int | None = None):
         super().__init__()
-        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        ffn_dim = ffn_dim or cfg.ffn_dim
+        self.w_gate = nn.Linear(cfg.dim, ffn_dim, bias=False)
+        self.w_up = nn.Linear(cfg.dim, ffn_dim, bias=False)
+        self.w_down = nn.Linear(ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x):                                    # (B, T, dim)
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.mla else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn = FeedForward(cfg)
+        self.ffn = MoE(cfg) if cfg.moe and cfg.moe.is_moe_layer(layer) else FeedForward(cfg)
 
     def forward(self, x, cos, sin, attend=naive_attention_fp32):  # (B, T, dim)
         x = x + self.attn(self.attn_norm(x), cos, sin, attend)
@@ -213,7 +240,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
@@ -247,6 +274,9 @@ def random_model_on(cfg: ModelConfig, device: str | torch.device, dtype=torch.bf
     model = model.to_empty(device=device).to(dtype)
     gen = torch.Generator(device=device).manual_seed(seed) if device.type != "meta" else None
     with torch.no_grad():
+        for b in model.buffers():                            # a MoE router's balance bias starts at zero
+            if device.type != "meta":
+                b.zero_()
         for name, p in model.named_parameters():
             if device.type == "meta":
                 continue

@@ -37,12 +37,14 @@ from dataclasses import dataclass
 import torch
 
 from minillm.attention.backends import Run, choose_backend, make_backend
-from minillm.attention.paged import block_table_tensor, copy_blocks, gather_kv, store_kv_reference
+from minillm.attention.paged import block_table_tensor, copy_blocks, gather_blocks, gather_kv, store_kv_reference
 from minillm.kernel_support.args import INTERPRETED
 from . import prepacked
 from .layer import (compiled_decode_layer, compiled_head, compiled_layer, compiled_or_eager, decoder_layer, gemv,
                     paged_decode_layer)
 from .llama import Llama, ModelConfig
+from .mla import LatentAttention, LatentProjections
+from .moe import MoE
 from .positions import RopeTable, apply_rope, apply_rope_complex
 from .transforms import gemv_blocks, is_fused
 
@@ -58,17 +60,25 @@ class PagedKVCache:
     (L, num_blocks, block_size, Hkv, 1); "fp8" the same with e4m3 values, kept as their uint8 bits
     (minillm/quant/kv_fp8.py). Values are quantised once, when written, and dequantised when a
     request's keys are gathered for attention.
+
+    A multi-head latent attention model (DeepSeek, model/mla.py) caches per token and layer one latent
+    key head [c ; k_rope] (r + d_rope wide) and nothing else: k (L, num_blocks, block_size, 1, r + d_rope),
+    and v is a view of its first r columns (the absorbed attention's values are the latents themselves).
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", kv_dtype: str = "auto"):
         if kv_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype = {kv_dtype!r} is not supported; allowed: {', '.join(map(repr, KV_CACHE_DTYPES))}")
-        shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.latent = cfg.mla is not None
+        if self.latent and kv_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype = {kv_dtype!r} with a latent (MLA) cache is not built; allowed: 'auto'")
+        heads, width = (1, cfg.mla.cache_width) if self.latent else (cfg.n_kv_heads, cfg.head_dim)
+        shape = (cfg.n_layers, num_blocks, block_size, heads, width)
         self.quantized = kv_dtype in ("int8", "fp8")
         store = {"int8": torch.int8, "fp8": torch.uint8}.get(kv_dtype, dtype)   # fp8: e4m3 bits
         self.k = torch.zeros(shape, dtype=store, device=device)
-        self.v = torch.zeros(shape, dtype=store, device=device)
+        self.v = self.k[..., :cfg.mla.kv_lora_rank] if self.latent else torch.zeros(shape, dtype=store, device=device)
         self.k_scale = self.v_scale = None
         if self.quantized:
             self.k_scale = torch.zeros(*shape[:-1], 1, dtype=torch.float16, device=device)
@@ -78,7 +88,10 @@ class PagedKVCache:
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
-        """K and V of one block, all layers: int8 and fp8 are D bytes + a 2-byte scale per token and head."""
+        """K and V of one block, all layers: int8 and fp8 are D bytes + a 2-byte scale per token and head; a latent
+        (MLA) cache one r + d_rope wide key per token and layer."""
+        if cfg.mla is not None:
+            return cfg.n_layers * block_size * cfg.mla.cache_width * torch.tensor([], dtype=dtype).element_size()
         if kv_dtype in ("int8", "fp8"):
             per_head = cfg.head_dim + 2
         else:
@@ -86,23 +99,36 @@ class PagedKVCache:
         return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * per_head
 
     @property
+    def value_dim(self) -> int:
+        """The width of an attention output row per head: D, or r for a latent cache."""
+        return self.v.shape[-1]
+
+    @property
     def nbytes(self) -> int:
         scales = 2 * self.k_scale.numel() * self.k_scale.element_size() if self.quantized else 0
-        return 2 * self.k.numel() * self.k.element_size() + scales
+        return (1 if self.latent else 2) * self.k.numel() * self.k.element_size() + scales
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write pairs (src, dst) from BlockManager.append_slots, for every layer at once."""
-        caches = [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+        caches = [t for t in (self.k, None if self.latent else self.v, self.k_scale, self.v_scale) if t is not None]
         copy_blocks(caches, copies, block_dim=1)                        # (L, num_blocks, ...) each
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """k, v (N, Hkv, D) into their slots (N,), all real: a row scatter (quantised first for int8/fp8)."""
+        """k, v (N, Hkv, D) into their slots (N,), all real: a row scatter (quantised first for int8/fp8). A latent
+        cache stores k only (v is its view)."""
+        if self.latent:
+            self.k[layer].view(-1, *self.k.shape[3:]).index_copy_(0, slot_mapping, k.to(self.k.dtype))
+            return
         store_kv_reference(k, v, self.k[layer], self.v[layer], slot_mapping, *self._scales(layer),
                            skip_padding=False)
 
     def gather(self, layer: int, block_tables: torch.Tensor, out: tuple | None = None):
         """Whole blocks of (B, n) block tables -> K, V (B, n * block_size, Hkv, D) in the compute
-        dtype (attention.paged.gather_kv; past each length: stale, mask it). out: two buffers to reuse."""
+        dtype (attention.paged.gather_kv; past each length: stale, mask it). out: two buffers to reuse.
+        A latent cache gathers its keys once; the values are their first r columns."""
+        if self.latent:
+            keys = gather_blocks(self.k[layer], block_tables, None if out is None else out[0])   # (B, n * bs, 1, r + d_rope)
+            return keys, keys[..., :self.v.shape[-1]]
         return gather_kv(self.k[layer], self.v[layer], block_tables, *self._scales(layer), self.dtype, out)
 
     def _scales(self, layer: int) -> tuple:
@@ -309,8 +335,12 @@ class ModelRunner:
     def _prepackable_weights(self) -> list[torch.Tensor]:
         """The weights prepacking may lay out: every bias-free fused projection and the tied LM head."""
         model = self.model
-        linears = [(layer.attn.wqkv, layer.attn.wo, layer.ffn.w_gate_up, layer.ffn.w_down) for layer in model.layers]
-        weights = [m.weight for ms in linears for m in ms if type(m) is torch.nn.Linear and m.bias is None]
+        linears = []
+        for layer in model.layers:
+            attn, ffn = layer.attn, layer.ffn
+            linears += [attn.wqkv, attn.wo, getattr(attn, "wq_b", None)]       # MLA's query up-projection too
+            linears += [] if isinstance(ffn, MoE) else [ffn.w_gate_up, ffn.w_down]
+        weights = [m.weight for m in linears if type(m) is torch.nn.Linear and m.bias is None]
         return weights + ([model.embed.weight] if model.lm_head is None else [])
 
     def _graph_projections(self) -> bool:
@@ -338,14 +368,22 @@ class ModelRunner:
         out = []
         for layer in model.layers:
             attn, ffn = layer.attn, layer.ffn
-            if self.fused:
-                qkv, gate_up = eager(attn.wqkv), eager(ffn.w_gate_up)
+            if isinstance(attn, LatentAttention):                        # MLA: absorbed, over the latent cache
+                qkv = LatentProjections(attn, eager(attn.wqkv), eager(attn.wq_b) if attn.shape.q_lora_rank else None)
+            elif self.fused:
+                qkv = eager(attn.wqkv)
             else:                                                        # quantised: packs, or side by side
                 qkv = _packs([attn.wq, attn.wk, attn.wv], model) or Stacked([attn.wq, attn.wk, attn.wv])
+            if isinstance(ffn, MoE):                                     # the whole MLP: route, experts, add
+                gate_up, down = ffn, None
+            elif self.fused:
+                gate_up, down = eager(ffn.w_gate_up), eager(ffn.w_down)
+            else:
                 gate_up = _packs([ffn.w_gate, ffn.w_up], model) or Stacked([ffn.w_gate, ffn.w_up])
+                down = _packs([ffn.w_down], model) or eager(ffn.w_down)
             wo = (None if self.fused else _packs([attn.wo], model)) or eager(attn.wo)
-            down = (None if self.fused else _packs([ffn.w_down], model)) or eager(ffn.w_down)
-            qk_norm = None if attn.q_norm is None else (attn.q_norm.weight.detach(), attn.k_norm.weight.detach())
+            qk_norm = None if getattr(attn, "q_norm", None) is None or isinstance(attn, LatentAttention) else \
+                (attn.q_norm.weight.detach(), attn.k_norm.weight.detach())
             out.append((layer.attn_norm.weight.detach(), qkv, wo, layer.ffn_norm.weight.detach(), gate_up, down,
                         qk_norm))
         return out, packed_head
@@ -356,6 +394,8 @@ class ModelRunner:
         too (transforms.gemv_blocks, NEW); a quantised one: its int8/int4 packs and the head as it is;
         (None, None) where a projection is neither."""
         model, layers = self.model, []
+        if model.cfg.mla is not None or model.cfg.moe is not None:       # it compiles the Llama layer's GQA and MLP
+            return None, None
         for layer, eager in zip(model.layers, self.layer_weights):
             attn, ffn = layer.attn, layer.ffn
             if self.fused:

@@ -1,7 +1,9 @@
 """Load-time transforms of a loaded model: done once, before any request, never inside a step.
 
 fuse_projections: q, k, v come from ONE matrix [wq; wk; wv] and gate, up from ONE [w_gate; w_up], so
-a layer runs 2 projections where it ran 5 (fewer kernel calls, longer contiguous reads). The original
+a layer runs 2 projections where it ran 5 (fewer kernel calls, longer contiguous reads). In a latent
+attention layer (MLA) the two projections of the layer's input, the query's (wq_a, or wq) and the latent's
+(wkv_a), are the one matrix; a mixture of experts keeps its stacked experts as they are. The original
 modules' weights become views into the fused ones: nothing is copied, and the naive model still runs
 on the very same numbers. is_fused says whether that still holds (quantising or replacing a
 projection after fusing breaks it); it only looks.
@@ -17,20 +19,31 @@ import torch
 import torch.nn as nn
 
 from .llama import Llama
+from .mla import LatentAttention
+from .moe import MoE
 
 
 def fuse_projections(model: Llama) -> Llama:
     """Add attn.wqkv and ffn.w_gate_up (in place); wq/wk/wv/w_gate/w_up become views of them."""
     for layer in model.layers:
         attn, ffn = layer.attn, layer.ffn
-        if hasattr(attn, "wqkv") and _backs(attn.wqkv, (attn.wq, attn.wk, attn.wv)) \
-                and _backs(ffn.w_gate_up, (ffn.w_gate, ffn.w_up)):
+        groups = [(attn, "wqkv", _input_projections(attn))]
+        if not isinstance(ffn, MoE):
+            groups.append((ffn, "w_gate_up", [ffn.w_gate, ffn.w_up]))
+        if all(hasattr(owner, name) and _backs(getattr(owner, name), parts) for owner, name, parts in groups):
             continue                     # fused already (a deepcopy, in contrast, leaves stale copies: fuse again)
-        if not all(type(m) is nn.Linear for m in (attn.wq, attn.wk, attn.wv, ffn.w_gate, ffn.w_up)):
+        if not all(type(m) is nn.Linear for _, _, parts in groups for m in parts):
             raise ValueError("fuse_projections needs plain nn.Linear projections (not quantised ones)")
-        attn.wqkv = _fuse([attn.wq, attn.wk, attn.wv])
-        ffn.w_gate_up = _fuse([ffn.w_gate, ffn.w_up])
+        for owner, name, parts in groups:
+            setattr(owner, name, _fuse(parts))
     return model
+
+
+def _input_projections(attn) -> list[nn.Module]:
+    """The projections that read the attention's input: wq, wk, wv; MLA's query one (wq_a or wq) and wkv_a."""
+    if isinstance(attn, LatentAttention):
+        return [attn.wq_a if attn.shape.q_lora_rank else attn.wq, attn.wkv_a]
+    return [attn.wq, attn.wk, attn.wv]
 
 
 CACHE_LINE_BYTES = 64        # x86's cache line: one block row of gemv_blocks
@@ -117,9 +130,11 @@ def is_fused(model: Llama) -> bool:
     """True while every fused matrix still backs the modules the baseline uses."""
     for layer in model.layers:
         attn, ffn = layer.attn, layer.ffn
-        if not hasattr(attn, "wqkv") or not hasattr(ffn, "w_gate_up"):
-            return False
-        for fused, parts in ((attn.wqkv, (attn.wq, attn.wk, attn.wv)), (ffn.w_gate_up, (ffn.w_gate, ffn.w_up))):
+        groups = [(attn, "wqkv", _input_projections(attn))]
+        if not isinstance(ffn, MoE):
+            groups.append((ffn, "w_gate_up", (ffn.w_gate, ffn.w_up)))
+        for owner, name, parts in groups:
+            fused = getattr(owner, name, None)
             if type(fused) is not nn.Linear or not _backs(fused, parts):
                 return False
     return True

@@ -41,6 +41,15 @@ def pp_bytes_per_token(cfg: ModelConfig, stages: int, dtype_bytes: float) -> flo
     return (stages - 1) * cfg.dim * dtype_bytes
 
 
+def ep_bytes_per_token(cfg: ModelConfig, ranks: int, dtype_bytes: float) -> float:
+    """Expert parallelism over `ranks`, routing even: what one token's rank sends per forward, through every
+    MoE layer: its top_k rows, each (N-1)/N likely to belong on another rank, go out (dispatch) and come back
+    (combine) as dim values each (parallel/expert.py)."""
+    moe = cfg.moe
+    layers = sum(moe.is_moe_layer(i) for i in range(cfg.n_layers))
+    return 2 * layers * moe.top_k * (ranks - 1) / ranks * cfg.dim * dtype_bytes
+
+
 def ring_all_reduce_seconds(payload: float, ranks: int, link: str, latency_s: float = 0.0) -> float:
     """Time of one ring all-reduce of `payload` bytes: each GPU sends 2 (N-1)/N x payload."""
     if ranks == 1:

@@ -9,6 +9,7 @@ the calculator (minillm/parallel/calculator.py) applies that factor, the counter
 """
 from __future__ import annotations
 
+import math
 import pickle
 from collections import Counter
 
@@ -44,6 +45,26 @@ def all_gather_last(x: torch.Tensor, group=None) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
+
+
+def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
+    """counts (N, m) int64, row j meant for rank j -> (N, m), row j what rank j sent here: how many rows of each
+    kind an all_to_all_rows will bring, so that every rank can size what it receives."""
+    out = torch.empty_like(counts)
+    _count("all_to_all_counts", nbytes(counts))
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
+def all_to_all_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group=None) -> torch.Tensor:
+    """x (sum(send_counts), ...): its first send_counts[0] rows go to rank 0, the next send_counts[1] to rank 1,
+    ... -> the recv_counts[j] rows rank j sent here, in rank order. Counted: the bytes of the rows that
+    leave this rank (those for itself stay local)."""
+    rank = dist.get_rank(group)
+    _count("all_to_all", x.element_size() * math.prod(x.shape[1:]) * (sum(send_counts) - send_counts[rank]))
+    out = x.new_empty(sum(recv_counts), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
+    return out
 
 
 def send(x: torch.Tensor, dst: int):
