@@ -151,3 +151,38 @@ def hbm_bytes(n: int, head_dim: int, causal: bool, dtype_bytes: int = 2, block_m
     keys_read = sum(min(n, (i + 1) * block_m) for i in range(tiles)) if causal else tiles * n
     flash = (2 * nd + 2 * keys_read * head_dim) * dtype_bytes + 4 * n
     return {"naive_bytes": naive, "flash_bytes": flash, "score_matrix_bytes": n * n * dtype_bytes}
+
+
+# Lesson 13: DeepSeek's ideas
+def parameters_of(name: str, active: bool = False) -> float:
+    """ModelConfig.num_parameters of a published shape by name (all weights, or one token's active ones)."""
+    return ModelConfig.named(name).num_parameters(active)
+
+
+def mla_cache_values_per_token(name: str) -> int:
+    """Values one token caches per layer with MLA: the latent and the RoPE key (576 for DeepSeek-V3)."""
+    return ModelConfig.named(name).mla.cache_width
+
+
+def mha_cache_values_per_token(name: str, n_kv_heads: int | None = None) -> int:
+    """What the same MLA model would cache per token and layer with ordinary K and V: each of n_kv_heads
+    (default: every head, MHA) keeps a d_nope + d_rope key and a d_v value."""
+    cfg = ModelConfig.named(name)
+    return (n_kv_heads or cfg.n_heads) * (cfg.mla.qk_head_dim + cfg.mla.v_head_dim)
+
+
+def experts_touched(batch: int, n_experts: int, top_k: int) -> float:
+    """Expected distinct experts a decode step of `batch` tokens runs in one MoE layer, each token choosing
+    top_k of n_experts uniformly: n (1 - (1 - k/n)^batch). A step reads every chosen expert's weights once."""
+    return n_experts * (1 - (1 - top_k / n_experts) ** batch)
+
+
+def moe_step_weight_bytes(name: str, batch: int, bytes_per_param: float) -> float:
+    """Weights one decode step of `batch` tokens reads, routing even: every dense weight, plus in each MoE
+    layer the experts_touched(batch) routed experts (the embedding rows are lookups, not counted)."""
+    cfg = ModelConfig.named(name)
+    moe = cfg.moe
+    expert = 3 * cfg.dim * moe.expert_ffn_dim
+    n_moe = sum(moe.is_moe_layer(i) for i in range(cfg.n_layers))
+    all_but_routed = cfg.num_parameters() - cfg.vocab_size * cfg.dim - n_moe * moe.n_experts * expert
+    return (all_but_routed + n_moe * experts_touched(batch, moe.n_experts, moe.top_k) * expert) * bytes_per_param

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .positions import apply_rope
+from .positions import apply_rope, causal_mask
 
 # DeepSeek's latent RMSNorms (q_a_layernorm, kv_a_layernorm) use their class default, not the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -130,21 +130,25 @@ class LatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rope[:, None].expand(B, H, S, s.qk_rope_head_dim)], dim=-1)
         return k, v
 
-    def attend_absorbed(self, q, c, k_rope, attend):
+    def attend_absorbed(self, q, c, k_rope):
         """q (B, H, T, d_nope + d_rope) over cached c (B, S, r), k_rope (B, S, d_rope) -> (B, H, T, d_v)
-        without K or V: multi-query attention over one key head [c ; k_rope] whose value is c."""
+        without K or V: multi-query attention over one key head [c ; k_rope] whose value is c, every head's
+        scores in one GEMM (H x T query rows against the S latents)."""
         w_uk, w_uv = split_kv_up(self.wkv_b.weight, self.shape, self.n_heads)
         q_abs = absorbed_query(q.transpose(1, 2), w_uk, self.shape).transpose(1, 2)   # (B, H, T, r + d_rope)
-        keys = torch.cat([c, k_rope], dim=-1)[:, None]                        # (B, 1, S, r + d_rope)
-        o_lat = attend(q_abs, keys, c[:, None], causal=True, scale=self.shape.scale())   # (B, H, T, r)
+        keys = torch.cat([c, k_rope], dim=-1)                                 # (B, S, r + d_rope)
+        scores = torch.einsum("bhtd,bsd->bhts", q_abs.float(), keys.float()) * self.shape.scale()
+        T, S = scores.shape[-2:]
+        scores = scores.masked_fill(~causal_mask(T, S, q.device), float("-inf"))
+        o_lat = torch.einsum("bhts,bsr->bhtr", scores.softmax(-1), c.float()).type_as(q)   # (B, H, T, r)
         return latent_output(o_lat.transpose(1, 2), w_uv).transpose(1, 2)     # (B, H, T, d_v)
 
     def forward(self, x, cos, sin, attend, absorbed: bool = False):        # x: (B, T, dim)
         B, T, _ = x.shape
         q = self.queries(x, cos, sin)
         c, k_rope = self.latents(x, cos, sin)
-        if absorbed:
-            out = self.attend_absorbed(q, c, k_rope, attend)
+        if absorbed:                                                         # (attend is the naive form's)
+            out = self.attend_absorbed(q, c, k_rope)
         else:
             k, v = self.expand(c, k_rope)
             out = attend(q, k, v, causal=True, scale=self.shape.scale())   # (B, H, T, d_v)

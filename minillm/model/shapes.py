@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 from .llama import ModelConfig
+from .mla import MLAShape
+from .moe import MoEShape
 
 # HuggingFaceTB/SmolLM2-135M-Instruct's config.json (the GGUF this project loads carries the same numbers).
 SMOLLM2_135M = ModelConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
@@ -51,8 +53,33 @@ MISTRAL_7B = ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_
                          ffn_dim=14336, rope_theta=10000.0, max_seq_len=8192, tie_embeddings=False)
 MISTRAL_7B_WINDOW = 4096        # tokens each layer attends back (the paper's W)
 
+# Lesson 13 (DeepSeek's ideas), from config.json on the Hugging Face Hub. deepseek-ai/DeepSeek-V3: 61 layers of
+# MLA (128 heads; q latent 1536, kv latent 512, 128 + 64 RoPE query/key widths, values 128), the first 3 dense
+# (18432 wide), then 256 routed experts of 2048 (top 8 by sigmoid score, 8 groups of which 4 kept, x 2.5) and
+# 1 shared; YaRN to 128K not modelled; its multi-token-prediction module (the checkpoint's layer 61) is not
+# counted. deepseek-ai/DeepSeek-V2-Lite: 27 layers of MLA without a query latent (16 heads), the first dense
+# (10944), then 64 experts of 1408 (top 6 by softmax, not renormalised) and 2 shared.
+# mistralai/Mixtral-8x7B-v0.1: Mistral 7B's attention, 8 experts of 14336, top 2 by softmax.
+DEEPSEEK_V3 = ModelConfig(vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, head_dim=64,
+                          ffn_dim=18432, rope_theta=10000.0, max_seq_len=163840, tie_embeddings=False, norm_eps=1e-6,
+                          mla=MLAShape(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                       v_head_dim=128),
+                          moe=MoEShape(n_experts=256, top_k=8, expert_ffn_dim=2048, router="sigmoid", n_shared=1,
+                                       n_group=8, topk_group=4, routed_scale=2.5, first_dense=3))
+DEEPSEEK_V2_LITE = ModelConfig(vocab_size=102400, dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, head_dim=64,
+                               ffn_dim=10944, rope_theta=10000.0, max_seq_len=163840, tie_embeddings=False,
+                               norm_eps=1e-6,
+                               mla=MLAShape(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                                            qk_rope_head_dim=64, v_head_dim=128),
+                               moe=MoEShape(n_experts=64, top_k=6, expert_ffn_dim=1408, router="softmax", n_shared=2,
+                                            norm_topk=False, first_dense=1))
+MIXTRAL_8X7B = ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                           ffn_dim=14336, rope_theta=1000000.0, max_seq_len=32768, tie_embeddings=False,
+                           moe=MoEShape(n_experts=8, top_k=2, expert_ffn_dim=14336))
+
 
 SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama2-7b": LLAMA2_7B, "llama2-13b": LLAMA2_13B, "llama2-70b": LLAMA2_70B,
           "llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "llama3.1-70b": LLAMA31_70B, "llama3.2-1b": LLAMA32_1B,
-          "qwen2.5-7b": QWEN25_7B, "qwen3-8b": QWEN3_8B, "mistral-7b": MISTRAL_7B}
+          "qwen2.5-7b": QWEN25_7B, "qwen3-8b": QWEN3_8B, "mistral-7b": MISTRAL_7B, "deepseek-v3": DEEPSEEK_V3,
+          "deepseek-v2-lite": DEEPSEEK_V2_LITE, "mixtral-8x7b": MIXTRAL_8X7B}
 
