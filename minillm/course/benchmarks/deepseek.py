@@ -9,7 +9,8 @@
                 against the even-routing formula, and the weights a step reads
     grouped     a MoE layer at DeepSeek-V2-Lite's widths, one GEMM per expert against token by token
     balance     the auxiliary-loss-free bias update on a router skewed towards some experts
-    ep          expert parallelism over 2 gloo ranks: bytes sent against the formula; EP against TP per token
+    ep          expert parallelism over 2 gloo ranks: bytes sent against the formula; EP against TP per GPU for
+                the same global batch (counted, DeepSeek-V3)
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def kv_rows() -> list[dict]:
     latent = pool.nbytes / 16 / v3.n_layers / 2                       # values per token and layer, allocated
     rows = [{"part": "kv", "layout": "MLA latent (engine pool, allocated)", "values_per_token_layer": latent,
              "KiB_per_token_bf16": pool.nbytes / 16 / 1024}]
-    for layout, heads in (("MHA (every head its K and V)", None), ("GQA-8 (8 K/V heads)", 8)):
+    for layout, heads in (("expanded MHA (each head's K 192 + V 128)", None), ("expanded GQA-8 (8 K/V heads)", 8)):
         values = mha_cache_values_per_token("deepseek-v3", heads)
         rows.append({"part": "kv", "layout": layout, "values_per_token_layer": values,
                      "KiB_per_token_bf16": values * v3.n_layers * 2 / 1024, "times_mla": values / latent})
@@ -182,15 +183,18 @@ def ep_rows() -> list[dict]:
              "measured_over_formula": statistics.mean(sent) / formula}]
     v3 = ModelConfig.named("deepseek-v3")
     for ranks in (8, 32):
-        ep = ep_bytes_per_token(v3, ranks, 2)
+        # The same global batch on `ranks` GPUs: with TP every GPU works on every token and all-reduces it; with
+        # EP (attention data-parallel) each GPU holds 1/ranks of the tokens and sends only its own.
+        ep = ep_bytes_per_token(v3, ranks, 2)                         # per token this GPU owns
         tp = 2 * (ranks - 1) / ranks * tp_bytes_per_token(v3, 2)      # ring all-reduce: 2 (N-1)/N of the payload
         rows.append({"part": "ep", "model": "deepseek-v3 (bf16, counted)", "ranks": ranks,
-                     "ep_KB_per_token": ep / 1e3, "tp_ring_KB_per_token": tp / 1e3, "ep_over_tp": ep / tp})
+                     "ep_KB_per_own_token": ep / 1e3, "ep_KB_per_gpu_per_batch_token": ep / ranks / 1e3,
+                     "tp_ring_KB_per_gpu_per_batch_token": tp / 1e3, "ep_over_tp_same_batch": ep / ranks / tp})
     return rows
 
 
 def plot(results: list[dict], path: str) -> None:
-    """Left: values cached per token and layer (DeepSeek-V3's shape). Right: the weights a decode step reads
+    """Left: values cached per token and layer (DeepSeek-V3's shape; K and V as this model's naive form expands them). Right: the weights a decode step reads
     against its batch (FP8), the touched experts from the formula and from the router."""
     import matplotlib
     matplotlib.use("Agg")
@@ -234,8 +238,8 @@ def run(quick: bool, json_path: str | None = None) -> dict:
     prefill = [r for r in results if r["part"] == "absorb" and r["phase"] == "prefill"]
     summary = {
         "mla_values_per_token_layer": one("kv", layout="MLA latent (engine pool, allocated)")["values_per_token_layer"],
-        "mha_over_mla": one("kv", layout="MHA (every head its K and V)")["times_mla"],
-        "gqa8_over_mla": one("kv", layout="GQA-8 (8 K/V heads)")["times_mla"],
+        "mha_over_mla": one("kv", layout="expanded MHA (each head's K 192 + V 128)")["times_mla"],
+        "gqa8_over_mla": one("kv", layout="expanded GQA-8 (8 K/V heads)")["times_mla"],
         "decode_naive_over_absorbed": {str(r["cached"]): r["naive_over_absorbed"] for r in decode},
         "decode_expanded_over_absorbed": {str(r["cached"]): r["expanded_over_absorbed"] for r in decode},
         "prefill_naive_over_absorbed": {str(r["tokens"]): r["naive_over_absorbed"] for r in prefill},
@@ -243,7 +247,7 @@ def run(quick: bool, json_path: str | None = None) -> dict:
         "grouped_speedup": {str(r["tokens"]): r["per_token_over_grouped"] for r in results if r["part"] == "grouped"},
         "imbalance_first": balance[0], "imbalance_last10_median": statistics.median(balance[-10:]),
         "ep_measured_over_formula": one("ep", ranks=2)["measured_over_formula"],
-        "ep_over_tp_8": one("ep", ranks=8)["ep_over_tp"],
+        "ep_over_tp_same_batch": {str(n): one("ep", ranks=n)["ep_over_tp_same_batch"] for n in (8, 32)},
     }
     config = {"absorb_model": "deepseek-v2-lite widths, one layer, fp32, random weights, torch SDPA",
               "grouped_model": "deepseek-v2-lite MoE layer, bf16, random weights", "threads": torch.get_num_threads()}
