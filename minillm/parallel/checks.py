@@ -24,3 +24,19 @@ def shard_vs_full(rank: int, size: int, cfg, tokens: torch.Tensor, seed: int = 0
     sent = dict(comm.COUNTS)
     return {"max_abs_diff": float((logits - full(tokens)).abs().max()), "counts": sent,
             "kv_heads_here": shard.cfg.n_kv_heads, "ffn_here": shard.cfg.ffn_dim}
+
+
+@torch.no_grad()
+def experts_vs_one(rank: int, size: int, cfg, tokens: torch.Tensor, seed: int = 0) -> dict:
+    """Expert parallelism: this rank holds 1/size of a seeded random MoE model's routed experts and runs its own
+    row of tokens (B = size rows, attention data-parallel); its logits against the whole model's for that row,
+    and what its all-to-alls sent."""
+    from .expert import ExpertParallelMoE, shard_experts
+
+    full = random_model(cfg, seed=seed)
+    want = full(tokens)[rank]                                              # (T, V): the one-process answer
+    model = shard_experts(random_model(cfg, seed=seed), rank, size)
+    comm.reset_counts()
+    logits = model(tokens[rank:rank + 1])[0]                               # (T, V): this rank's own row
+    return {"max_abs_diff": float((logits - want).abs().max()), "counts": dict(comm.COUNTS),
+            "experts_here": next(l.ffn.w_gate.shape[0] for l in model.layers if isinstance(l.ffn, ExpertParallelMoE))}

@@ -31,6 +31,7 @@ PRINTED_SAME = {
                              "counted == formula", "same", "same tokens"),
     "12_sglang_ideas.ipynb": ("same hits as by hand", "identical tokens with none / hash / radix",
                               "same allowed tokens as the library", "valid"),
+    "13_deepseek.ipynb": ("same tokens as transformers", "v is a view of it", "same experts as the library"),
 }
 # Printed differences between two computations of the same value: (pattern with the number, bound).
 # fp32 throughout: the bounds are rounding, far below any real disagreement.
@@ -39,6 +40,7 @@ PRINTED_CLOSE = {
                      (r"max \|logit difference\| vs transformers = (\S+)", 2e-4)),
     "04_quantization.ipynb": ((r"twin vs dequantise-then-matmul: max \|diff\| = (\S+)", 1e-4),),
     "11_parallelism.ipynb": ((r"rank \d: .* max \|difference\| = (\S+)", 1e-5),),
+    "13_deepseek.ipynb": ((r"max \|difference\| = (\S+)", 1e-5),),
     "05_flash_attention.ipynb": ((r"max \|flash - autograd\(naive\)\| = (\S+)", 1e-4),
                                  (r"two tiles by hand vs \S+: max \|diff\| = (\S+)", 1e-5)),
 }
@@ -69,7 +71,7 @@ def check_printed_equalities(name: str, text: str) -> None:
 
 
 # The longest first, so that the kernels running at a time finish together.
-LONGEST_FIRST = ("02", "11", "07", "09", "08", "12", "10", "06", "01", "05", "03", "04")
+LONGEST_FIRST = ("02", "11", "07", "09", "08", "12", "10", "13", "06", "01", "05", "03", "04")
 
 
 def run_script(path):
