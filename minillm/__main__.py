@@ -16,7 +16,8 @@ def _generate(args) -> None:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     with LLM(model=args.model, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
-             pipeline_parallel_size=args.pipeline_parallel_size) as llm:     # under torchrun only rank 0 gets here
+             pipeline_parallel_size=args.pipeline_parallel_size,
+             expert_parallel_size=args.expert_parallel_size) as llm:        # under torchrun only rank 0 gets here
         for prompt in args.prompt:
             if args.chat:
                 prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])
@@ -69,7 +70,7 @@ def _serve(args) -> None:
               enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
               kv_cache_dtype=args.kv_cache_dtype, prefix_cache=args.prefix_cache, quantization=args.quantization,
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-              speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+              expert_parallel_size=args.expert_parallel_size, speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
               speculative_policy=args.speculative_policy)
     name = args.served_model_name or args.model
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI-compatible)", flush=True)
@@ -102,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     def parallel_args(p):                   # minillm/parallel, lesson 11; works under torchrun too
         p.add_argument("--tensor-parallel-size", type=int, default=1, help="split every layer over N processes")
         p.add_argument("--pipeline-parallel-size", type=int, default=1, help="split the layers into N stages")
+        p.add_argument("--expert-parallel-size", type=int, default=1,
+                       help="split a mixture of experts' routed experts over N processes (lesson 13)")
 
     g = sub.add_parser("generate", help="stream a completion for each PROMPT")
     model_args(g)

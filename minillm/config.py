@@ -97,24 +97,29 @@ class SpeculativeConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    expert_parallel_size: int = 1               # a mixture of experts' routed experts over this many processes
 
     def __post_init__(self):
-        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
-        _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size = {self.tensor_parallel_size} with pipeline_parallel_size = "
-                             f"{self.pipeline_parallel_size} is not supported; allowed: one of them > 1")
+        sizes = {name: getattr(self, name) for name in ("tensor_parallel_size", "pipeline_parallel_size",
+                                                       "expert_parallel_size")}
+        for name, value in sizes.items():
+            _check_int(name, value, 1)
+        above = [f"{name} = {value}" for name, value in sizes.items() if value > 1]
+        if len(above) > 1:
+            raise ValueError(f"{' with '.join(above)} is not supported; allowed: one of them > 1")
 
     @property
     def mode(self) -> str | None:
-        """"tensor", "pipeline" or None (one process)."""
+        """"tensor", "pipeline", "expert" or None (one process)."""
         if self.tensor_parallel_size > 1:
             return "tensor"
+        if self.expert_parallel_size > 1:
+            return "expert"
         return "pipeline" if self.pipeline_parallel_size > 1 else None
 
     @property
     def size(self) -> int:
-        return max(self.tensor_parallel_size, self.pipeline_parallel_size)
+        return max(self.tensor_parallel_size, self.pipeline_parallel_size, self.expert_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -216,6 +221,9 @@ def check_model(config: EngineConfig, model_cfg) -> None:
     if config.scheduler.max_model_len > limit:
         raise ValueError(f"max_model_len = {config.scheduler.max_model_len} exceeds the model's context of "
                          f"{limit} tokens; allowed: 2..{limit}")
+    if config.parallel.expert_parallel_size > 1 and model_cfg.moe is None:
+        raise ValueError(f"expert_parallel_size = {config.parallel.expert_parallel_size}: expert parallelism splits a "
+                         "mixture of experts, and this model has none; allowed: 1 (or tensor / pipeline parallelism)")
     if model_cfg.mla is not None or model_cfg.moe is not None:
         refused = [f"{name} = {value!r} (allowed: {allowed!r})" for name, value, allowed in (
             ("quantization", config.run.quantization, None), ("kv_cache_dtype", config.cache.kv_cache_dtype, "auto"),

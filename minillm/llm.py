@@ -51,7 +51,7 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
                  kv_cache_dtype: str = "auto", prefix_cache: str = "hash", tokenizer=None,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1,
                  speculative_policy: str = "adaptive", enforce_eager: bool = False, tune_kernels: bool = True):
         """Every keyword but model and tokenizer goes into one EngineConfig (minillm/config.py),
         validated there before the model loads: llm.engine_config.
@@ -62,7 +62,8 @@ class LLM:
         prefix_cache: the index enable_prefix_caching uses, "hash" (vLLM's block hashes) or
         "radix" (SGLang's radix tree); "radix" without enable_prefix_caching is refused.
         tensor_parallel_size / pipeline_parallel_size > 1: the model is split over that many
-        processes (minillm/parallel, lesson 11), started here and stopped by close().
+        processes (minillm/parallel, lesson 11), started here and stopped by close();
+        expert_parallel_size > 1: a mixture of experts' routed experts are (lesson 13).
         speculative_method: drafts are proposed and verified inside the engine's steps, for one request or many;
         speculative_policy "adaptive" gives each request as many drafts as pay at the step's batch
         size (minillm/speculative/engine.py), "always" num_speculative_tokens every step.
@@ -81,7 +82,8 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
             kv_cache_dtype=kv_cache_dtype, prefix_cache=prefix_cache, tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size, speculative_policy=speculative_policy,
+            pipeline_parallel_size=pipeline_parallel_size, expert_parallel_size=expert_parallel_size,
+            speculative_policy=speculative_policy,
             enforce_eager=enforce_eager, tune_kernels=tune_kernels)
         self.parallel = None
         self.device = resolve_device(device)
@@ -137,7 +139,7 @@ class LLM:
         return self._engine is None or self._engine.block_manager.reset_prefix_cache()
 
     def close(self) -> None:
-        """Stop the tensor/pipeline-parallel worker processes (nothing to do for one process)."""
+        """Stop the tensor/pipeline/expert-parallel worker processes (nothing to do for one process)."""
         if self.parallel is not None:
             self.parallel.close()
 

@@ -49,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(os.environ.get("OUT", ROOT / "results" / "gpu"))
 KEEP = Path("/tmp/minillm-gpu")              # survives between the two calls while the machine is warm
-NOTEBOOK_ORDER = ["01", "02", "05", "06", "07", "04", "03", "08", "09", "12", "10", "11"]   # GPU-heavy first
+NOTEBOOK_ORDER = ["01", "02", "05", "06", "07", "04", "03", "08", "09", "12", "10", "11", "13"]   # GPU-heavy first
 KERNEL_TESTS = ["tests/attention/test_flash_attention.py", "tests/attention/test_flash_attention_backward.py",
                 "tests/attention/test_paged_attention.py", "tests/quant/test_quant_w4a16.py", "tests/perf/test_kernel_timing.py",
                 "tests/model/test_published_models.py"]

@@ -67,6 +67,17 @@ def all_to_all_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[i
     return out
 
 
+def all_gather_rows(x: torch.Tensor, rows: list[int], group=None) -> torch.Tensor:
+    """x (rows[rank], ...) on each rank -> every rank's rows in rank order (sum(rows), ...). gloo gathers equal
+    sizes, so each rank pads to the largest share; counted: this rank's real rows."""
+    _count("all_gather", x.element_size() * x.numel())
+    most = max(rows)
+    padded = torch.cat([x, x.new_zeros(most - x.shape[0], *x.shape[1:])]) if x.shape[0] < most else x
+    parts = [torch.empty_like(padded) for _ in rows]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, rows)])
+
+
 def send(x: torch.Tensor, dst: int):
     """Start sending x to rank dst; returns the work handle (wait on it before x is reused)."""
     _count("send", nbytes(x))

@@ -9,6 +9,9 @@ and the routed experts are divided E/N per rank. In every MoE layer each rank
     4. combine: sends each output row back to its token's rank (all-to-all, the splits reversed),
     5. weights the rows and adds them to their tokens, with the shared experts' output.
 
+In the engine (LLM(expert_parallel_size=N)) every rank runs the whole batch, attention included, and each MoE
+layer splits the rows: a rank sends its 1/N through steps 1-5, then an all-gather gives every rank all the rows.
+
 A pair whose expert lives on another rank crosses the network twice: with even routing, a rank of T tokens
 sends 2 T k (N-1)/N rows of `dim` values per MoE layer (calculator.ep_all_to_all_bytes), where tensor
 parallelism would all-reduce T x dim twice per layer. Every rank must run the same layers the same number of
@@ -22,7 +25,7 @@ import torch.nn as nn
 
 from minillm.model.llama import Llama
 from minillm.model.moe import MoE, expert_mlp
-from .comm import all_to_all_rows, exchange_counts
+from .comm import all_gather_rows, all_to_all_rows, exchange_counts
 
 
 def check_ep_size(n_experts: int, size) -> int:
@@ -38,15 +41,18 @@ def owner(experts: torch.Tensor, n_experts: int, size: int) -> torch.Tensor:
     return experts // (n_experts // size)
 
 
-class ExpertParallelMoE(nn.Module):
+class ExpertParallelMoE(MoE):
     """One rank's share of a MoE layer: the router and shared experts whole, routed experts
-    rank * E/N .. (rank + 1) * E/N - 1; forward(x) = MoE.forward(x) over the tokens of this rank."""
+    rank * E/N .. (rank + 1) * E/N - 1; forward(x) = MoE.forward(x).
+    replicated=False: x is this rank's own tokens (attention data-parallel, DeepSeek-V3's layout).
+    replicated=True: every rank holds the same x (the engine's workers run the whole batch): each rank takes
+    its 1/N of the rows through the all-to-alls, and an all-gather gives every rank the whole output."""
 
-    def __init__(self, moe: MoE, rank: int, size: int, group=None):
-        super().__init__()
+    def __init__(self, moe: MoE, rank: int, size: int, group=None, replicated: bool = False):
+        nn.Module.__init__(self)                    # a MoE built from another's weights, not from a config
         s = moe.shape
         per_rank = s.n_experts // check_ep_size(s.n_experts, size)
-        self.shape, self.rank, self.size, self.group = s, rank, size, group
+        self.shape, self.rank, self.size, self.group, self.replicated = s, rank, size, group, replicated
         self.first = rank * per_rank                                    # this rank's first expert
         self.router, self.router_bias, self.shared = moe.router, moe.router_bias, moe.shared
         local = slice(self.first, self.first + per_rank)
@@ -54,10 +60,17 @@ class ExpertParallelMoE(nn.Module):
         self.w_up = nn.Parameter(moe.w_up.data[local].clone(), requires_grad=False)
         self.w_down = nn.Parameter(moe.w_down.data[local].clone(), requires_grad=False)   # (E/N, dim, F)
 
-    routing = MoE.routing
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:               # (..., dim)
-        flat = x.reshape(-1, x.shape[-1])                               # (T, dim): this rank's tokens
+        flat = x.reshape(-1, x.shape[-1])                               # (T, dim)
+        if not self.replicated:
+            return self.own_tokens(flat).view_as(x)
+        rows = [len(r) for r in torch.arange(flat.shape[0]).tensor_split(self.size)]     # each rank's share
+        start = sum(rows[:self.rank])
+        mine = self.own_tokens(flat[start:start + rows[self.rank]])                       # (T / N, dim)
+        return all_gather_rows(mine, rows, self.group).view_as(x)
+
+    def own_tokens(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat (T, dim), this rank's tokens -> their MoE outputs (T, dim), through the other ranks' experts."""
         weights, experts = self.routing(flat)                           # 1. (T, k) each
         k, per_rank = experts.shape[1], self.w_gate.shape[0]
         order = experts.flatten().argsort(stable=True)                  # (T k,) pairs by expert, so by rank
@@ -67,11 +80,9 @@ class ExpertParallelMoE(nn.Module):
         rows = all_to_all_rows(flat[order // k], send, recv, self.group)                    # 2. dispatch
         out = self._run_local(rows, arriving)                                               # 3. (R, dim)
         back = all_to_all_rows(out, recv, send, self.group)                                 # 4. combine
-        y = back * weights.flatten()[order, None].to(x.dtype)                               # 5. (T k, dim)
+        y = back * weights.flatten()[order, None].to(flat.dtype)                            # 5. (T k, dim)
         y = torch.zeros_like(flat).index_add_(0, order // k, y)
-        if self.shared is not None:
-            y = y + self.shared(flat)
-        return y.view_as(x)
+        return y if self.shared is None else y + self.shared(flat)
 
     def _run_local(self, rows: torch.Tensor, arriving: torch.Tensor) -> torch.Tensor:
         """rows (R, dim) received: from each source rank in turn, sorted by expert, arriving[s, e] of them for
@@ -87,8 +98,9 @@ class ExpertParallelMoE(nn.Module):
         return out
 
 
-def shard_experts(model: Llama, rank: int, size: int, group=None) -> Llama:
-    """Every MoE layer of model replaced (in place) by this rank's ExpertParallelMoE; returns model."""
+def shard_experts(model: Llama, rank: int, size: int, group=None, replicated: bool = False) -> Llama:
+    """Every MoE layer of model replaced (in place) by this rank's ExpertParallelMoE; returns model.
+    replicated: every rank runs the same tokens (the engine's workers); else each its own."""
     if model.cfg.moe is None:
         raise ValueError("expert parallelism splits a mixture of experts; this model has none (cfg.moe is None)")
     check_ep_size(model.cfg.moe.n_experts, size)
@@ -96,5 +108,5 @@ def shard_experts(model: Llama, rank: int, size: int, group=None) -> Llama:
         raise ValueError(f"expert_parallel_size = {size} but the process group has {dist.get_world_size(group)} ranks")
     for layer in model.layers:
         if isinstance(layer.ffn, MoE):
-            layer.ffn = ExpertParallelMoE(layer.ffn, rank, size, group)
+            layer.ffn = ExpertParallelMoE(layer.ffn, rank, size, group, replicated)
     return model

@@ -37,10 +37,11 @@ from minillm.model.positions import RopeTable
 from minillm.model.runner import ModelRunner, PagedKVCache
 from minillm.model.transforms import fuse_projections
 from .comm import COUNTS, broadcast_object, reset_counts
+from .expert import shard_experts
 from .pipeline import pipeline_step, split_batch, stage_model
 from .tensor import shard_model
 
-MODES = ("tensor", "pipeline")
+MODES = ("tensor", "pipeline", "expert")
 TIMEOUT = timedelta(minutes=30)           # a collective waits this long for a silent peer
 JOINED = "minillm/joined"                 # store counter: spawned workers that reached rank 0's store
 
@@ -56,7 +57,10 @@ def free_port() -> int:
 
 
 def part_of(model: Llama, mode: str, rank: int, size: int) -> Llama:
-    """What rank holds: a tensor-parallel shard or a pipeline stage."""
+    """What rank holds: a tensor-parallel shard, a pipeline stage, or the model with 1/size of each MoE layer's
+    routed experts (every rank runs the whole batch; its MoE layers split the tokens among the ranks)."""
+    if mode == "expert":
+        return shard_experts(model, rank, size, replicated=True)
     return shard_model(model, rank, size) if mode == "tensor" else stage_model(model, rank, size)
 
 
@@ -108,8 +112,8 @@ def serve(model: Llama, mode: str, rank: int, size: int) -> None:
         elif msg[0] == "step":
             _, copies, batch = msg
             runner.kv.copy_blocks(copies)
-            if mode == "tensor":
-                runner.forward(batch)                             # the all-reduces pair up with rank 0's
+            if mode in ("tensor", "expert"):
+                runner.forward(batch)                             # the collectives pair up with rank 0's
             else:
                 pipeline_step(runner, batch, rank, size)
 
@@ -234,7 +238,7 @@ class DistributedRunner(ModelRunner):
     def forward(self, batch):
         w = self.workers
         with w.step():
-            if w.mode == "tensor":
+            if w.mode in ("tensor", "expert"):
                 broadcast_object(("step", self.kv.take_copies(), batch))
                 return super().forward(batch)
             micro = split_batch(batch, w.num_micro_batches, self.kv.block_size)

@@ -167,7 +167,7 @@ def test_gpu_steps_pick_the_kernel_steps_to_run(tmp_path, monkeypatch):
 def test_gpu_notebooks_pick_the_notebooks_to_run():
     check = load_tool("gpu_check")
     everything = check.ordered_notebooks()
-    assert [p.name[:2] for p in everything[:3]] == check.NOTEBOOK_ORDER[:3] and len(everything) == 12
+    assert [p.name[:2] for p in everything[:3]] == check.NOTEBOOK_ORDER[:3] and len(everything) == 13
     assert [p.name[:2] for p in check.ordered_notebooks(only="07, 02")] == ["02", "07"]    # the run's order
     with pytest.raises(ValueError, match="allowed: 01"):
-        check.ordered_notebooks(only="13")
+        check.ordered_notebooks(only="14")

@@ -181,3 +181,28 @@ def test_ngram_speculation_verifies_runs_over_the_latent_cache(folders):
 def test_what_the_engine_does_not_build_for_these_models_is_refused_by_name(folders, option, named):
     with pytest.raises(ValueError, match=f"MLA / mixture-of-experts model.*{named}"):
         LLM(model=str(folders["deepseek_v3"][0]), dtype="float32", device="cpu", max_model_len=128, **option)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "mixtral"])
+def test_engine_with_expert_parallel_2_equals_transformers(folders, family):
+    """Two processes, each with half the routed experts, every MoE layer's rows split between them by all-to-all
+    and gathered back; a lone request leaves one rank no rows in its share, and it still takes part."""
+    folder, hf = folders[family]
+    prompts = [prompt(6, seed=1), prompt(31, seed=2), prompt(3, seed=5)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=512, num_kv_blocks=256,
+             expert_parallel_size=2) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        lone = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0]
+        counts = llm.parallel.counts()
+    expected = greedy_reference(hf, prompts, 8)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected and list(lone.outputs[0].token_ids) == expected[0]
+    assert all(c["all_to_all.bytes"] > 0 and c["all_gather.calls"] > 0 for c in counts)
+
+
+def test_expert_parallel_sizes_that_cannot_work_are_refused(folders):
+    with pytest.raises(ValueError, match="does not split 16 experts evenly; allowed: 1, 2, 4, 8, 16"):
+        LLM(model=str(folders["deepseek_v3"][0]), dtype="float32", device="cpu", max_model_len=128,
+            expert_parallel_size=3)
+    with pytest.raises(ValueError, match="expert_parallel_size = 2 with tensor_parallel_size|tensor_parallel_size = 2 with expert"):
+        LLM(model=str(folders["deepseek_v3"][0]), device="cpu", tensor_parallel_size=2, expert_parallel_size=2)

@@ -84,3 +84,13 @@ def test_a_size_that_does_not_split_the_experts_is_refused():
         check_ep_size(8, 3)
     with pytest.raises(ValueError, match="has none"):
         shard_experts(random_model(tiny_config()), 0, 2)
+
+
+
+def test_a_dense_model_refuses_expert_parallelism_before_any_process_starts():
+    from helpers import CharTokenizer
+    from minillm import LLM
+
+    with pytest.raises(ValueError, match="expert_parallel_size = 2: expert parallelism splits a mixture of experts"):
+        LLM(model=random_model(tiny_config()), tokenizer=CharTokenizer(), device="cpu", max_model_len=64,
+            expert_parallel_size=2)
