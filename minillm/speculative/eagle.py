@@ -1,0 +1,182 @@
+"""A draft head on the target's own features (EAGLE, Li et al. 2024, arXiv 2401.15077), trained here.
+
+A separate draft model must learn the language from scratch at a fraction of the target's size. EAGLE's
+draft starts from what the target already computed: its top-layer feature f_t (the hidden state the LM
+head reads, after the final norm) carries most of what the next token needs. The head predicts the NEXT
+feature, and the target's own LM head turns a feature into a token:
+
+    f_hat_{t+1} = Block(fc([embed(x_{t+1}) ; f_t]))             (T, dim): one decoder layer, causal over the T inputs
+    draft x_{t+2} = argmax( f_hat_{t+1} @ E_d^T )                the target's embedding rows, a draft vocabulary
+
+Drafting k tokens runs the head k times, each on the previous prediction: (f_hat_{t+1}, x_{t+2}) -> f_hat_{t+2} ...
+The draft vocabulary is the most frequent tokens of the training text (EAGLE-3, arXiv 2503.01840, drafts
+over a reduced vocabulary too): its LM head reads fewer rows, and a token outside it is simply never drafted.
+
+Training (train_head) runs on text the target generates itself, with EAGLE's loss: smooth-L1 between predicted
+and real next features plus 0.1 x the cross-entropy of the next token through the draft vocabulary. Its first
+pass is teacher-forced (every input the target's real feature); a second pass feeds the head its own
+predictions, since from its second token on a draft reads features it predicted (EAGLE-3's "training-time
+test", arXiv 2503.01840, in its simplest form).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minillm.model.llama import Block, Llama, naive_attention_fp32
+from minillm.model.positions import rope_cos_sin
+
+CLS_WEIGHT = 0.1          # EAGLE §3.2: L = L_reg + w_cls L_cls, w_cls = 0.1
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    draft_vocab: int = 8192          # the most frequent tokens of the training text
+    lr: float = 1e-3
+    steps: int = 600
+    batch: int = 8                   # sequences per step
+    seq_len: int = 256
+    unroll: int = 2                  # passes per sequence: teacher-forced, then on the head's own predictions
+    seed: int = 0
+
+
+@torch.no_grad()
+def target_features(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens (B, T) -> f (B, T, dim): the target's top-layer features after the final norm (what its LM
+    head reads: logits = f @ E^T for a tied head), by the baseline forward."""
+    T = tokens.shape[1]
+    cos, sin = rope_cos_sin(torch.arange(T), model.cfg.head_dim, model.cfg.rope_theta, model.cfg.rope_scaling)
+    h = model.embed(tokens)
+    for layer in model.layers:
+        h = layer(h, cos, sin, naive_attention_fp32)
+    return model.norm(h)
+
+
+class EagleHead(nn.Module):
+    """fc over [embedding of the next token ; the current feature], one decoder layer of the target's shape
+    (its own weights), and the draft vocabulary's rows of the target's (tied) embedding as the LM head."""
+
+    def __init__(self, target: Llama, vocab: torch.Tensor):
+        super().__init__()
+        cfg = target.cfg
+        if target.lm_head is not None:
+            raise ValueError("EagleHead reads the target's tied embedding as its LM head; this target has an untied "
+                             "head (lm_head), which the draft would need to copy: not built")
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * cfg.dim, cfg.dim)
+        self.block = Block(cfg)
+        self.register_buffer("vocab", vocab.long())                   # (V_d,) draft token ids
+        self.embed = target.embed                                     # shared, frozen
+        self.embed.weight.requires_grad_(False)
+
+    def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """features (B, T, dim) at positions start .. start+T-1 and the tokens that followed each (B, T) ->
+        predicted features (B, T, dim) one position later, causal over the T inputs."""
+        T = features.shape[1]
+        x = self.fc(torch.cat([self.embed(next_tokens), features], dim=-1))     # (B, T, dim)
+        cos, sin = rope_cos_sin(torch.arange(start, start + T), self.cfg.head_dim, self.cfg.rope_theta,
+                                self.cfg.rope_scaling)
+        return self.block(x, cos, sin, naive_attention_fp32)
+
+    def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """(..., dim) -> (..., V_d) over the draft vocabulary."""
+        return features @ self.embed.weight[self.vocab].t()
+
+    @torch.no_grad()
+    def propose(self, features: torch.Tensor, tokens: list[int], k: int) -> list[int]:
+        """Greedy drafts: features (L, dim) of the context's positions 0 .. L-1 (the target's), tokens the L + 1
+        context tokens (position i's next token is tokens[i + 1]) -> k draft tokens."""
+        f = features[None]                                                    # (1, L, dim)
+        nxt = torch.tensor(tokens[1:])[None]                                  # (1, L)
+        drafts = []
+        for _ in range(k):
+            pred = self(f, nxt)[:, -1:]                                       # (1, 1, dim): the next feature
+            token = int(self.vocab[self.draft_logits(pred)[0, 0].argmax()])
+            drafts.append(token)
+            f = torch.cat([f, pred], dim=1)
+            nxt = torch.cat([nxt, torch.tensor([[token]])], dim=1)
+        return drafts
+
+
+def draft_vocabulary(sequences: list[list[int]], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent tokens of the sequences, and the share of all token occurrences they cover."""
+    counts = torch.bincount(torch.tensor([t for s in sequences for t in s]), minlength=vocab_size)
+    top = counts.topk(min(size, vocab_size))
+    return top.indices.sort().values, float(top.values.sum() / counts.sum())
+
+
+def train_head(model: Llama, sequences: list[list[int]], config: HeadConfig = HeadConfig(), log=None) -> tuple[EagleHead, list[dict]]:
+    """Teacher-forced training on the target's own text -> (the head, the curve: per logged step the loss
+    parts and the top-1 agreement of the drafted next token with the text's)."""
+    torch.manual_seed(config.seed)
+    vocab, coverage = draft_vocabulary(sequences, config.draft_vocab, model.cfg.vocab_size)
+    head = EagleHead(model, vocab)
+    index = torch.full((model.cfg.vocab_size,), -1, dtype=torch.long)
+    index[vocab] = torch.arange(len(vocab))                                   # full id -> draft id (-1: outside)
+    chunks = [s[i:i + config.seq_len + 1] for s in sequences for i in range(0, len(s) - 2, config.seq_len)]
+    chunks = [c for c in chunks if len(c) >= 8]
+    cache = {}
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    warmup = max(1, config.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) *
+                                              0.5 * (1 + math.cos(math.pi * min(s, config.steps) / config.steps)))
+    gen = torch.Generator().manual_seed(config.seed)
+    curve, t0 = [], time.perf_counter()
+    for step in range(config.steps):
+        picks = torch.randint(0, len(chunks), (config.batch,), generator=gen).tolist()
+        reg_sum = cls_sum = hit = count = 0.0
+        opt.zero_grad()
+        for i in picks:                                                       # one sequence at a time: no padding
+            ids = torch.tensor(chunks[i])[None]                               # (1, T + 1)
+            if i not in cache:
+                cache[i] = target_features(model, ids[:, :-1])                # (1, T, dim) the target's features
+            f = cache[i]
+            want = index[ids[0, 2:]]                                          # the token after each predicted feature
+            inside = want >= 0
+            inputs, loss = f[:, :-1], 0.0
+            for unroll in range(config.unroll):                               # 0: teacher-forced; then on its own
+                pred = head(inputs, ids[:, 1:-1])                             # (1, T - 1, dim): f_1 .. f_{T-1} predicted
+                reg = F.smooth_l1_loss(pred, f[:, 1:])
+                logits = head.draft_logits(pred[0])                           # (T - 1, V_d)
+                cls = F.cross_entropy(logits[inside], want[inside]) if inside.any() else logits.sum() * 0
+                loss = loss + reg + CLS_WEIGHT * cls
+                if unroll == 0:
+                    reg_sum, cls_sum = reg_sum + float(reg), cls_sum + float(cls)
+                    hit += float((logits.argmax(-1) == want).sum())
+                    count += len(want)
+                # the next pass reads predicted features, as a draft after its first token does (exposure bias)
+                inputs = torch.cat([f[:, :1], pred[:, :-1]], dim=1)
+            (loss / len(picks)).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        if step % max(1, config.steps // 30) == 0 or step == config.steps - 1:
+            row = {"step": step, "reg_loss": reg_sum / len(picks), "cls_loss": cls_sum / len(picks),
+                   "top1_next_token": hit / count, "seconds": time.perf_counter() - t0}
+            curve.append(row)
+            if log:
+                log(row)
+    head.coverage = coverage
+    return head.eval(), curve
+
+
+def save_head(head: EagleHead, path) -> None:
+    torch.save({"state": {k: v for k, v in head.state_dict().items() if not k.startswith("embed.")},
+                "config": head.cfg.to_dict()}, path)
+
+
+def load_head(target: Llama, path) -> EagleHead:
+    """A head saved by save_head, for this target (its shape must match the one it was trained on)."""
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if saved["config"] != target.cfg.to_dict():
+        raise ValueError(f"{path}: this head was trained for another model shape; train one for this target "
+                         f"(python -m minillm bench eagle)")
+    head = EagleHead(target, saved["state"]["vocab"])
+    head.load_state_dict({**saved["state"], "embed.weight": target.embed.weight}, strict=True)
+    return head.eval()
