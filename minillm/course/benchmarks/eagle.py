@@ -17,6 +17,7 @@ import time
 import torch
 
 from minillm.engine.sampling import SamplingParams
+from minillm.evaluate import calibration_text
 from minillm.loading.loader import cache_dir
 from minillm.speculative.core import NgramDraft, draft_model
 from minillm.speculative.eagle import HeadConfig, save_head, target_features, train_head
@@ -47,13 +48,24 @@ def held_out_prompts() -> dict[str, str]:
             "code": BATCH1_PROMPTS["code"][0]}
 
 
-def self_generated(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """Prompt + answer token ids for every prompt, half answered greedily, half sampled at T = 0.8."""
-    chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+def continuation_prompts(llm, n: int, length: int = 48) -> list[list[int]]:
+    """n windows of `length` tokens from evaluate.calibration_text() (Python's docs, never used for perplexity),
+    for the target to continue as plain text."""
+    ids = llm.tokenizer.encode(calibration_text())
+    step = max(length, (len(ids) - length) // n)
+    return [ids[i:i + length] for i in range(0, len(ids) - length, step)][:n]
+
+
+def self_generated(llm, prompts: list[str], continuations: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Prompt + answer token ids: chat prompts and plain-text continuations, half answered greedily, half
+    sampled at T = 0.8 (a sequence's own seed)."""
+    chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]   # text
+    requests = [{"prompt": c} for c in chats] + [{"prompt_token_ids": c} for c in continuations]
     params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, max_tokens=max_tokens, seed=i)
-              for i in range(len(chats))]
-    outs = llm.generate(chats, params, use_tqdm=False)
-    return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+              for i in range(len(requests))]
+    outs = llm.generate(requests, params, use_tqdm=False)
+    seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    return [seqs[i] for i in torch.randperm(len(seqs), generator=torch.Generator().manual_seed(0)).tolist()]
 
 
 def accepted_prefix(drafts: list[int], want: list[int]) -> int:
@@ -101,9 +113,10 @@ def run(quick: bool) -> dict:
 
     llm = LLM(model="smollm2", dtype="float32", device="cpu")
     t0 = time.perf_counter()
-    sequences = self_generated(llm, training_prompts(quick), 64 if quick else 160)
+    sequences = self_generated(llm, training_prompts(quick), continuation_prompts(llm, 16 if quick else 400),
+                               64 if quick else 160)
     generate_s = time.perf_counter() - t0
-    config = HeadConfig(steps=20 if quick else 400, batch=4)
+    config = HeadConfig(steps=20 if quick else 800, batch=4)
     head, curve = train_head(llm.model, sequences, config)
     path = cache_dir() / "eagle-smollm2-135m.pt"
     save_head(head, path)
@@ -115,6 +128,7 @@ def run(quick: bool) -> dict:
     summary = {"training_tokens": sum(len(s) for s in sequences), "generate_seconds": generate_s,
                "train_seconds": curve[-1]["seconds"], "draft_vocab_coverage": head.coverage,
                "final_top1_next_token": curve[-1]["top1_next_token"],
+               "final_held_out_top1": curve[-1]["held_out_top1"],
                "mean_accepted_of_5": {name: sum(v) / len(v) for name, v in by_draft.items()},
                "saved": str(path)}
     cfg = {"head": config.__dict__, "draft_tokens_measured": K, "held_out": list(held_out_prompts())}
