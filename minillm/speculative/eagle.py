@@ -13,7 +13,9 @@ The draft vocabulary is the most frequent tokens of the training text (EAGLE-3, 
 over a reduced vocabulary too): its LM head reads fewer rows, and a token outside it is simply never drafted.
 
 Training (train_head) runs on text the target generates itself, with EAGLE's loss: smooth-L1 between predicted
-and real next features plus 0.1 x the cross-entropy of the next token through the draft vocabulary. Its first
+and real next features plus 0.1 x a classification term, here the KL divergence from the target's own next-token
+distribution (its real next feature through the draft vocabulary) rather than the text's token, so that the head
+learns the target's choice even where the text was sampled. Its first
 pass is teacher-forced (every input the target's real feature); a second pass feeds the head its own
 predictions, since from its second token on a draft reads features it predicted (EAGLE-3's "training-time
 test", arXiv 2503.01840, in its simplest form).
@@ -115,12 +117,10 @@ def draft_vocabulary(sequences: list[list[int]], size: int, vocab_size: int) -> 
 
 def train_head(model: Llama, sequences: list[list[int]], config: HeadConfig = HeadConfig(), log=None) -> tuple[EagleHead, list[dict]]:
     """Teacher-forced training on the target's own text -> (the head, the curve: per logged step the loss
-    parts and the top-1 agreement of the drafted next token with the text's)."""
+    parts and the top-1 agreement of the drafted next token with the target's own choice)."""
     torch.manual_seed(config.seed)
     vocab, coverage = draft_vocabulary(sequences, config.draft_vocab, model.cfg.vocab_size)
     head = EagleHead(model, vocab)
-    index = torch.full((model.cfg.vocab_size,), -1, dtype=torch.long)
-    index[vocab] = torch.arange(len(vocab))                                   # full id -> draft id (-1: outside)
     def chunked(seqs):
         pieces = [s[i:i + config.seq_len + 1] for s in seqs for i in range(0, len(s) - 2, config.seq_len)]
         return [c for c in pieces if len(c) >= 8]
@@ -146,14 +146,14 @@ def train_head(model: Llama, sequences: list[list[int]], config: HeadConfig = He
             f = cache[i]
             rms = f.pow(2).mean().sqrt()
             noisy = f + (torch.rand(f.shape, generator=gen) * 2 - 1) * config.noise * rms   # exposure to its own errors
-            want = index[ids[0, 2:]]                                          # the token after each predicted feature
-            inside = want >= 0
+            teacher = head.draft_logits(f[0, 1:]).log_softmax(-1)               # (T - 1, V_d): the target's own
+            want = teacher.argmax(-1)                                         # next-token choice, what greedy emits
             inputs, loss = noisy[:, :-1], 0.0
             for unroll in range(config.unroll):                               # 0: teacher-forced; then on its own
                 pred = head(inputs, ids[:, 1:-1])                             # (1, T - 1, dim): f_1 .. f_{T-1} predicted
                 reg = F.smooth_l1_loss(pred, f[:, 1:])
                 logits = head.draft_logits(pred[0])                           # (T - 1, V_d)
-                cls = F.cross_entropy(logits[inside], want[inside]) if inside.any() else logits.sum() * 0
+                cls = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="batchmean")
                 loss = loss + reg + CLS_WEIGHT * cls
                 if unroll == 0:
                     reg_sum, cls_sum = reg_sum + reg.item(), cls_sum + cls.item()
@@ -167,7 +167,7 @@ def train_head(model: Llama, sequences: list[list[int]], config: HeadConfig = He
         sched.step()
         if step % max(1, config.steps // 30) == 0 or step == config.steps - 1:
             row = {"step": step, "reg_loss": reg_sum / len(picks), "cls_loss": cls_sum / len(picks),
-                   "top1_next_token": hit / count, "held_out_top1": _agreement(head, model, val_chunks, val_cache, index),
+                   "top1_next_token": hit / count, "held_out_top1": _agreement(head, model, val_chunks, val_cache),
                    "seconds": time.perf_counter() - t0}
             curve.append(row)
             if log:
@@ -177,8 +177,9 @@ def train_head(model: Llama, sequences: list[list[int]], config: HeadConfig = He
 
 
 @torch.no_grad()
-def _agreement(head: EagleHead, model: Llama, chunks: list, cache: dict, index: torch.Tensor) -> float | None:
-    """Teacher-forced top-1 agreement of the drafted next token with the text, on chunks not trained on."""
+def _agreement(head: EagleHead, model: Llama, chunks: list, cache: dict) -> float | None:
+    """Teacher-forced top-1 agreement of the drafted next token with the target's own choice there (its argmax,
+    what greedy decoding emits), on chunks not trained on."""
     if not chunks:
         return None
     hit = count = 0
@@ -187,7 +188,7 @@ def _agreement(head: EagleHead, model: Llama, chunks: list, cache: dict, index: 
         if i not in cache:
             cache[i] = target_features(model, ids[:, :-1])
         pred = head(cache[i][:, :-1], ids[:, 1:-1])
-        hit += int((head.draft_logits(pred[0]).argmax(-1) == index[ids[0, 2:]]).sum())
+        hit += int((head.draft_logits(pred[0]).argmax(-1) == head.draft_logits(cache[i][0, 1:]).argmax(-1)).sum())
         count += ids.shape[1] - 2
     return hit / count
 
