@@ -156,3 +156,41 @@ def paged_case(lengths, num_heads, num_kv_heads, head_dim=16, block_size=4, dtyp
         order = order[nb:]
     q = torch.randn(len(lengths), num_heads, head_dim, generator=gen).to(dtype)
     return q, k_cache, v_cache, tables, torch.tensor(lengths)
+
+
+def tiny_hf_model(config_class, model_class, config: dict):
+    """A tiny random-weight transformers model: norm weights near 1, the rest N(0, 0.2); a DeepSeek router's
+    balance bias N(0, 0.1), so that it changes choices."""
+    model = model_class(config_class(**config))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen) if "norm" in name else
+                    0.2 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+    return model.eval()
+
+
+def hf_folders(tmp_path_factory, tokenizer, models: dict) -> dict:
+    """name -> (an HF folder with config.json, safetensors and the tokenizer, the transformers model)."""
+    out = {}
+    for name, model in models.items():
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        out[name] = folder, model
+    return out
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy tokens by transformers' forward over the whole sequence each step (no cache)."""
+    out = []
+    for p in prompts:
+        ids = list(p)
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        out.append(ids[len(p):])
+    return out

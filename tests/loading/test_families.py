@@ -16,6 +16,7 @@ import json
 import pytest
 import torch
 
+from helpers import hf_folders, hf_greedy, tiny_hf_model
 from minillm import LLM, SamplingParams
 from minillm.loading.loader import load_model, rotate_half_to_interleaved
 from minillm.model.positions import rope_frequencies
@@ -41,45 +42,21 @@ TOLERANCE = 2e-4            # fp32 logits, both sides summing in their own order
 
 
 def tiny_hf(family: str, **overrides):
-    """A tiny random-weight transformers model of `family` (norm weights near 1, the rest N(0, 0.2))."""
+    """A tiny random-weight transformers model of `family` (helpers.tiny_hf_model)."""
     config_class, model_class, extra = FAMILIES[family]
-    model = model_class(config_class(**{**COMMON, **extra, **overrides}))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            fill = 1.0 + 0.1 * torch.randn(p.shape, generator=gen) if "norm" in name else \
-                0.2 * torch.randn(p.shape, generator=gen)
-            p.copy_(fill)
-    return model.eval()
+    return tiny_hf_model(config_class, model_class, {**COMMON, **extra, **overrides})
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, hf_tokenizer):
     """family -> (HF folder with config.json, safetensors and tokenizer, the transformers model)."""
-    out = {}
-    for family in FAMILIES:
-        folder = tmp_path_factory.mktemp(family)
-        model = tiny_hf(family)
-        model.save_pretrained(folder)
-        hf_tokenizer.save_pretrained(folder)
-        out[family] = folder, model
-    return out
+    return hf_folders(tmp_path_factory, hf_tokenizer, {family: tiny_hf(family) for family in FAMILIES})
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, COMMON["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@torch.no_grad()
-def greedy_reference(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Greedy tokens by transformers' forward over the whole sequence each step (no cache)."""
-    out = []
-    for p in prompts:
-        ids = list(p)
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-        out.append(ids[len(p):])
-    return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -122,7 +99,7 @@ def test_engine_greedy_tokens_equal_transformers(folders, family):
     folder, hf = folders[family]
     shared = prompt(24, seed=7)
     prompts = [prompt(5, seed=1), shared + prompt(9, seed=2), prompt(40, seed=3), shared + prompt(3, seed=4)]
-    expected = greedy_reference(hf, prompts, 10)
+    expected = hf_greedy(hf, prompts, 10)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     with LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=512, num_kv_blocks=256,
              tune_kernels=False) as llm:
@@ -150,7 +127,7 @@ def test_engine_with_tensor_parallel_2_equals_transformers(folders, family):
     with LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=512, num_kv_blocks=256,
              tensor_parallel_size=2) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == greedy_reference(hf, prompts, 8)
+    assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(hf, prompts, 8)
 
 
 def test_lesson_02_stage_runs_a_qk_norm_model_on_the_baseline(folders):
@@ -159,7 +136,7 @@ def test_lesson_02_stage_runs_a_qk_norm_model_on_the_baseline(folders):
     decoder = FastDecoder(model)
     assert decoder.kind == "baseline" and decoder.decode_weights is None
     p = prompt(11, seed=5)
-    assert decoder.generate_greedy(p, 6) == greedy_reference(hf, [p], 6)[0]
+    assert decoder.generate_greedy(p, 6) == hf_greedy(hf, [p], 6)[0]
 
 
 # ---- GGUF: the same weights written with the gguf package -----------------------------------------
@@ -345,7 +322,7 @@ def test_sliding_window_gives_back_the_blocks_that_fall_out_of_it(folders):
     with the same prompt then hits the prefix cache, blocks outside its window included, equal again."""
     folder, hf = folders["mistral-window"]
     p, block_size, blocks = prompt(40, seed=11), 4, 64
-    expected = greedy_reference(hf, [p, p[:36] + prompt(4, seed=12)], 60)
+    expected = hf_greedy(hf, [p, p[:36] + prompt(4, seed=12)], 60)
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     with LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=128, block_size=block_size,
              num_kv_blocks=blocks, enable_prefix_caching=True, tune_kernels=False) as llm:
@@ -364,7 +341,7 @@ def test_a_windowed_model_speculates_exactly_and_refuses_the_backends_without_a_
     """n-gram drafts verified as multi-token runs (the decode groups' masks carry the window)."""
     folder, hf = folders["mistral-window"]
     p = [5, 6, 7, 8, 9] * 8
-    expected = greedy_reference(hf, [p], 30)[0]
+    expected = hf_greedy(hf, [p], 30)[0]
     with LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=64, speculative_method="ngram",
              num_speculative_tokens=3, speculative_policy="always", tune_kernels=False) as llm:
         reqs = llm.make_requests([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
@@ -398,7 +375,7 @@ def test_a_windowed_prefix_hit_survives_the_eviction_of_blocks_outside_the_windo
         b = llm.make_requests([{"prompt_token_ids": later}], params)
         llm.engine.run(b)
         assert b[0].num_cached_tokens == 76                        # a's 79 computed tokens, in whole blocks
-        assert b[0].output_token_ids == greedy_reference(hf, [later], 40)[0]
+        assert b[0].output_token_ids == hf_greedy(hf, [later], 40)[0]
         assert bm.num_free_blocks == blocks
 
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import hf_folders, hf_greedy, tiny_hf_model
+from minillm import LLM, SamplingParams
+from minillm.attention.backends import make_backend
 from minillm.loading.loader import load_model
+from minillm.model.runner import GROUP_COST_BLOCKS
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,30 +34,15 @@ TOLERANCE = 2e-4            # fp32 logits, both sides summing in their own order
 
 
 def tiny_hf(family: str, **overrides):
-    """Norm weights near 1, the rest N(0, 0.2); DeepSeek's balance bias N(0, 0.1) so that it changes choices."""
+    """A tiny random-weight transformers model of `family` (helpers.tiny_hf_model)."""
     config_class, model_class, extra = FAMILIES[family]
-    model = model_class(config_class(**{**COMMON, **extra, **overrides}))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen) if "norm" in name else
-                    0.2 * torch.randn(p.shape, generator=gen))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
-    return model.eval()
+    return tiny_hf_model(config_class, model_class, {**COMMON, **extra, **overrides})
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, hf_tokenizer):
-    out = {}
-    for family in FAMILIES:
-        folder = tmp_path_factory.mktemp(family)
-        model = tiny_hf(family)
-        model.save_pretrained(folder)
-        hf_tokenizer.save_pretrained(folder)
-        out[family] = folder, model
-    return out
+    """family -> (HF folder with config.json, safetensors and tokenizer, the transformers model)."""
+    return hf_folders(tmp_path_factory, hf_tokenizer, {family: tiny_hf(family) for family in FAMILIES})
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -107,21 +96,7 @@ def test_a_missing_expert_is_refused(tmp_path, folders):
 
 # ---- through the engine: the latent paged cache, the experts in the one decoder layer ----------------
 
-from minillm import LLM, SamplingParams  # noqa: E402
-from minillm.attention.backends import make_backend  # noqa: E402
-from minillm.model.runner import GROUP_COST_BLOCKS  # noqa: E402
 
-
-@torch.no_grad()
-def greedy_reference(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Greedy tokens by transformers' forward over the whole sequence each step (no cache)."""
-    out = []
-    for p in prompts:
-        ids = list(p)
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-        out.append(ids[len(p):])
-    return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -133,7 +108,7 @@ def test_engine_greedy_tokens_equal_transformers(folders, family, backend):
     folder, hf = folders[family]
     shared = prompt(24, seed=7)
     prompts = [prompt(5, seed=1), shared + prompt(9, seed=2), prompt(40, seed=3), shared + prompt(3, seed=4)]
-    expected = greedy_reference(hf, prompts, 10)
+    expected = hf_greedy(hf, prompts, 10)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     with LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=512, num_kv_blocks=256,
              tune_kernels=False) as llm:
@@ -164,7 +139,7 @@ def test_engine_greedy_tokens_equal_transformers(folders, family, backend):
 def test_ngram_speculation_verifies_runs_over_the_latent_cache(folders):
     folder, hf = folders["deepseek_v3"]
     p = [5, 6, 7, 8, 9] * 8
-    expected = greedy_reference(hf, [p], 20)[0]
+    expected = hf_greedy(hf, [p], 20)[0]
     with LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=64,
              speculative_method="ngram", num_speculative_tokens=3, speculative_policy="always",
              tune_kernels=False) as llm:
@@ -195,7 +170,7 @@ def test_engine_with_expert_parallel_2_equals_transformers(folders, family):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         lone = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0]
         counts = llm.parallel.counts()
-    expected = greedy_reference(hf, prompts, 8)
+    expected = hf_greedy(hf, prompts, 8)
     assert [list(o.outputs[0].token_ids) for o in outs] == expected and list(lone.outputs[0].token_ids) == expected[0]
     assert all(c["all_to_all.bytes"] > 0 and c["all_gather.calls"] > 0 for c in counts)
 
