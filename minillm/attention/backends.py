@@ -118,7 +118,8 @@ class TorchBackend:
         self.kv, self.window = kv, window
         self.prefill_attention = sdpa_prefill if prefill == "sdpa" else attention_function(prefill)
         self.run_compiled = run_compiled or (lambda compiled, eager, *args: compiled(*args))
-        self._buffers = [torch.empty(0, dtype=kv.k.dtype, device=kv.k.device) for _ in range(2)]
+        # K and V each a buffer; a latent (MLA) cache gathers its keys only (its values are a view of them)
+        self._buffers = [torch.empty(0, dtype=kv.k.dtype, device=kv.k.device) for _ in range(1 if kv.latent else 2)]
         self.buffers = None                     # this step's reused gather buffers (begin_step)
 
     def begin_step(self, batch) -> None:
@@ -189,7 +190,7 @@ class TorchBackend:
         return q.new_empty(*q.shape[:-1], self.kv.value_dim)
 
     def _decode_buffers(self, batch) -> tuple | None:
-        """Two (Bg * n, block_size, Hkv, D) buffers, for the largest gathered decode group, that every
+        """Two (one for a latent cache) (Bg * n, block_size, Hkv, D) buffers, for the largest gathered decode group, that every
         layer's K/V copy reuses. They only grow, so after the first steps there is no allocation
         (and no page faults) per layer: a fresh 10 MB tensor per layer cost as much as the copy."""
         groups = [g for g in batch.decode_groups if self.gathers(g)]
