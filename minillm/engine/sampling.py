@@ -14,25 +14,30 @@ import torch
 @dataclass
 class GuidedDecodingParams:
     """Structured output (vLLM's names): exactly one of json (a JSON schema, dict or text), regex,
-    choice (a list of strings) or json_object=True (any JSON object). jump_forward (minillm's,
-    off by default) appends the tokens the grammar forces without sampling them (minillm/guided)."""
+    choice (a list of strings), grammar (GBNF / EBNF text, start rule `root`) or json_object=True
+    (any JSON object). jump_forward (minillm's, off by default) appends the tokens the grammar
+    forces without sampling them (minillm/guided)."""
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
+    grammar: str | None = None
     json_object: bool | None = None
     jump_forward: bool = False
 
     def __post_init__(self):
-        given = [name for name in ("json", "regex", "choice", "json_object") if getattr(self, name) not in (None, False)]
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"GuidedDecodingParams takes exactly one of json, regex, choice, json_object=True; "
-                             f"got {', '.join(given) or 'none'}")
+            raise ValueError(f"GuidedDecodingParams takes exactly one of json, regex, choice, grammar, "
+                             f"json_object=True; got {', '.join(given) or 'none'}")
         if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError(f"GuidedDecodingParams.choice = {self.choice!r} is invalid; allowed: a non-empty list "
                              f"of non-empty strings")
-        if self.regex is not None and not isinstance(self.regex, str):
-            raise ValueError(f"GuidedDecodingParams.regex must be a string; got {type(self.regex).__name__}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"GuidedDecodingParams.{name} must be a string; got "
+                                 f"{type(getattr(self, name)).__name__}")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"GuidedDecodingParams.json must be a schema (a dict or its JSON text); "
                              f"got {type(self.json).__name__}")

@@ -2,7 +2,7 @@
 
     response_format={"type": "json_schema", "json_schema": {"name", "schema", "strict"}}  -> json=schema
     response_format={"type": "json_object"}                                            -> json_object
-    guided_json / guided_regex / guided_choice  (vLLM's extras, sent with extra_body)
+    guided_json / guided_regex / guided_choice / guided_grammar  (vLLM's extras, sent with extra_body)
     tools=[{"type": "function", "function": {"name", "description", "parameters"}}] with
     tool_choice={"type": "function", "function": {"name": N}}  -> the output IS N's arguments,
                                                                  constrained by N's parameters
@@ -21,7 +21,6 @@ import uuid
 from dataclasses import dataclass
 
 from minillm.engine.sampling import GuidedDecodingParams
-from .json_schema import KEY_SEP, literal, schema_to_regex
 
 
 @dataclass
@@ -40,9 +39,9 @@ class ToolCallPlan:
     def guided(self) -> GuidedDecodingParams:
         if self.named:
             return GuidedDecodingParams(json=_parameters(self.functions[0]))
-        options = ["\\{" + literal("name") + KEY_SEP + literal(f["name"]) + ", " + literal("arguments") + KEY_SEP
-                   + schema_to_regex(_parameters(f)) + "\\}" for f in self.functions]
-        return GuidedDecodingParams(regex="(?:" + "|".join(options) + ")")
+        calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": _parameters(f)},
+                  "required": ["name", "arguments"], "additionalProperties": False} for f in self.functions]
+        return GuidedDecodingParams(json={"anyOf": calls})
 
     def name_and_arguments(self, text: str) -> tuple[str, str]:
         """The function called and its arguments (JSON text) from the generated text."""
@@ -61,7 +60,7 @@ def _parameters(function: dict) -> dict:
     return function.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-def guided_from_fields(response_format, guided_json, guided_regex, guided_choice,
+def guided_from_fields(response_format, guided_json, guided_regex, guided_choice, guided_grammar,
                        tools, tool_choice) -> tuple[GuidedDecodingParams | None, ToolCallPlan | None]:
     """The request's constraint (or None) and, for tool calls, how to read the output back."""
     plan = tool_plan(tools, tool_choice)
@@ -69,6 +68,7 @@ def guided_from_fields(response_format, guided_json, guided_regex, guided_choice
                "guided_json": guided_json is not None and GuidedDecodingParams(json=guided_json),
                "guided_regex": guided_regex is not None and GuidedDecodingParams(regex=guided_regex),
                "guided_choice": guided_choice is not None and GuidedDecodingParams(choice=guided_choice),
+               "guided_grammar": guided_grammar is not None and GuidedDecodingParams(grammar=guided_grammar),
                "tool_choice": plan is not None and plan.guided()}
     given = {k: v for k, v in sources.items() if v}
     if len(given) > 1:

@@ -225,7 +225,7 @@ class _NFA:
 
     def state(self) -> int:
         if len(self.eps) >= MAX_NFA_STATES:
-            raise ValueError(f"regex {self.pattern[:80]!r} is too large: its automaton exceeds {MAX_NFA_STATES} "
+            raise ValueError(f"{self.pattern} is too large: its automaton exceeds {MAX_NFA_STATES} "
                              f"states; use smaller repetition bounds")
         self.eps.append([])
         self.edges.append([])
@@ -235,7 +235,9 @@ class _NFA:
         """A fragment (entry, exit) matching node."""
         kind = node[0]
         start, end = self.state(), self.state()
-        if kind == "set":
+        if kind == "call":                      # a grammar rule's call of another rule (grammar.py): one symbol
+            self.edges[start].append((256 + node[1], 256 + node[1], end))
+        elif kind == "set":
             for seq in (s for lo, hi in node[1] for s in utf8_sequences(lo, hi)):
                 at = start
                 for i, (blo, bhi) in enumerate(seq):
@@ -279,7 +281,9 @@ class _NFA:
 @dataclass
 class DFA:
     """A complete DFA over bytes: transitions[s][b] is the next state; `dead` loops to itself and
-    is the only state from which no accepting state can be reached."""
+    is the only state from which no accepting state can be reached. A grammar rule's DFA
+    (grammar.py) has one more column per rule it calls: transitions[s][256 + k] is where the
+    rule continues after its k-th callee has matched."""
     transitions: list[list[int]]
     accepting: list[bool]
     start: int
@@ -300,12 +304,18 @@ class DFA:
 
 def compile_regex(pattern: str) -> DFA:
     """pattern -> DFA over UTF-8 bytes (ValueError for anything outside the supported subset)."""
-    nfa = _NFA(pattern)
-    start, end = nfa.build(parse(pattern))
-    return _determinize(nfa, start, end)
+    return compile_tree(parse(pattern), f"regex {pattern[:80]!r}")
 
 
-def _determinize(nfa: _NFA, start: int, end: int) -> DFA:
+def compile_tree(tree, name: str, num_calls: int = 0) -> DFA:
+    """A syntax tree (with ("call", k) leaves, k < num_calls, for a grammar rule) -> its DFA;
+    `name` says what it is in errors."""
+    nfa = _NFA(name)
+    start, end = nfa.build(tree)
+    return _determinize(nfa, start, end, 256 + num_calls)
+
+
+def _determinize(nfa: _NFA, start: int, end: int, width: int) -> DFA:
     closures: dict[frozenset, frozenset] = {}
 
     def closure(states: frozenset) -> frozenset:
@@ -327,12 +337,12 @@ def _determinize(nfa: _NFA, start: int, end: int) -> DFA:
             for lo, hi, t in nfa.edges[s]:
                 for b in range(lo, hi + 1):
                     moves.setdefault(b, set()).add(t)
-        row = [-1] * 256                        # -1: no move (the dead state, numbered below)
+        row = [-1] * width                      # -1: no move (the dead state, numbered below)
         for b, targets in moves.items():
             nxt = closure(frozenset(targets))
             if nxt not in index:
                 if len(order) >= MAX_DFA_STATES:
-                    raise ValueError(f"regex {nfa.pattern[:80]!r} is too large: its DFA exceeds {MAX_DFA_STATES} "
+                    raise ValueError(f"{nfa.pattern} is too large: its DFA exceeds {MAX_DFA_STATES} "
                                      f"states")
                 index[nxt] = len(order)
                 order.append(nxt)
@@ -358,11 +368,11 @@ def _prune(rows: list[list[int]], accepting: list[bool]) -> DFA:
                 live.add(s)
                 todo.append(s)
     if 0 not in live:                           # the pattern matches nothing at all
-        return DFA([[0] * 256], [False], start=0, dead=0)
+        return DFA([[0] * len(rows[0])], [False], start=0, dead=0)
     keep = sorted(live)
     new = {s: i for i, s in enumerate(keep)}
     dead = len(keep)
-    transitions = [[new.get(t, dead) for t in rows[s]] for s in keep] + [[dead] * 256]
+    transitions = [[new.get(t, dead) for t in rows[s]] for s in keep] + [[dead] * len(rows[0])]
     return _minimize(transitions, [accepting[s] for s in keep] + [False])
 
 

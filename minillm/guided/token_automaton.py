@@ -100,6 +100,23 @@ class TokenAutomaton:
         return self.dfa.walk(state, self.vocab.token_bytes[token])
 
     @property
+    def start(self) -> int:
+        return self.dfa.start
+
+    @property
+    def dead(self) -> int:
+        return self.dfa.dead
+
+    def is_accepting(self, state: int) -> bool:
+        return self.dfa.accepting[state]
+
+    def step(self, state: int, byte: int) -> int:
+        return self.dfa.transitions[state][byte]
+
+    def live_bytes(self, state: int) -> list[int]:
+        return [b for b, t in enumerate(self.dfa.transitions[state][:256]) if t != self.dfa.dead]
+
+    @property
     def num_cached_states(self) -> int:
         return len(self._masks)
 

@@ -10,7 +10,7 @@ server-sent events or not), GET /health, GET /debug/engine (KV block and request
 Also GET /metrics (Prometheus text). With an API key, /v1/* wants `Authorization: Bearer KEY`.
 
 Structured output (minillm/guided/api.py): response_format json_schema / json_object, vLLM's
-guided_json / guided_regex / guided_choice, and tools with tool_choice naming a function or
+guided_json / guided_regex / guided_choice / guided_grammar, and tools with tool_choice naming a function or
 "required", answered as tool_calls (finish_reason "tool_calls"), streamed or not.
 
 Architecture: the engine is not thread-safe, so exactly one thread owns it: the EngineWorker
@@ -116,6 +116,7 @@ class _RequestBody(BaseModel):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -389,7 +390,7 @@ class OpenAIServer:
         """The body's output constraint and tool-call plan (minillm/guided/api.py); bad ones are 400s."""
         try:
             return guided_from_fields(body.response_format, body.guided_json, body.guided_regex,
-                                      body.guided_choice, body.tools, body.tool_choice)
+                                      body.guided_choice, body.guided_grammar, body.tools, body.tool_choice)
         except ValueError as e:
             raise APIError(400, str(e)) from e
 

@@ -1,6 +1,7 @@
 """Structured outputs (minillm/guided): the regex engine against Python's re, JSON schema ->
-regex against jsonschema, the token mask against a brute-force walk, and guided generation on
-the tiny random model through every path (engine, contiguous batch-1, stream)."""
+grammar against jsonschema, the token mask against a brute-force walk, and guided generation on
+the tiny random model through every path (engine, contiguous batch-1, stream). The grammar
+engine itself: tests/guided/test_grammar.py."""
 import json
 import random
 import re
@@ -11,7 +12,9 @@ import torch
 from helpers import CharTokenizer
 from minillm import LLM, GuidedDecodingParams, SamplingParams
 from minillm.guided.guide import GuideState, compile_guide
-from minillm.guided.json_schema import schema_to_regex
+from minillm.guided.grammar import Grammar
+from minillm.guided.json_schema import schema_to_grammar
+from minillm.guided.pushdown import PushdownAutomaton
 from minillm.guided.regex import compile_regex
 from minillm.guided.token_automaton import TokenAutomaton, TokenVocabulary, allowed_tokens
 from minillm.model.llama import random_model, tiny_config
@@ -72,28 +75,43 @@ NOT_VALID = {"person": [{"age": 3}, {"name": "Ada", "age": 3, "extra": 1}, {"nam
              "list": [[1], [], [1, 2.5]], "any": [[1], "x"], "choice": ["abcde-1", 3]}
 
 
+def schema_matcher(schema):
+    """text -> does the schema's grammar accept it (walked byte by byte through the pushdown automaton)."""
+    pda = PushdownAutomaton(Grammar(schema_to_grammar(schema)), TokenVocabulary([b"x"], None))
+
+    def matches(text: str) -> bool:
+        config = pda.start
+        for b in text.encode():
+            config = pda.step(config, b)
+        return pda.is_accepting(config)
+    return matches
+
+
 @pytest.mark.parametrize("name", SCHEMAS)
-def test_schema_regex_accepts_valid_documents_and_rejects_invalid(name):
+def test_schema_grammar_accepts_valid_documents_and_rejects_invalid(name):
     jsonschema = pytest.importorskip("jsonschema")
     schema, documents = SCHEMAS[name]
-    dfa = compile_regex(schema_to_regex(schema))
+    matches = schema_matcher(schema)
     for doc in documents:
         jsonschema.validate(doc, schema)
-        assert dfa.matches(json.dumps(doc)), doc
+        assert matches(json.dumps(doc)), doc
     for doc in NOT_VALID[name]:
-        assert not dfa.matches(json.dumps(doc)), doc
+        assert not matches(json.dumps(doc)), doc
 
 
 @pytest.mark.parametrize("schema, keyword", [
-    ({"type": "integer", "minimum": 0}, "'minimum'"), ({"type": "string", "format": "email"}, "'format'"),
-    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "$defs": {"a": {"$ref": "#/$defs/a"}}}, "recursive"),
-    ({"type": "tuple"}, "type 'tuple'"), ({"type": "string", "pattern": "a+"}, "anchored"),
-    ({"type": "string", "pattern": "^.+$"}, "quote"), ({"oneOf": [{"type": "null"}]}, "'oneOf'"),
+    ({"type": "integer", "multipleOf": 3}, "'multipleOf'"), ({"type": "string", "format": "hostname"}, "'hostname'"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/b"}}}, "names no definition"),
+    ({"type": "tuple"}, "type 'tuple'"), ({"type": "string", "pattern": "a("}, "missing )"),
+    ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer"), ({"oneOf": [{"type": "null"}]}, "'oneOf'"),
+    ({"type": "number", "exclusiveMinimum": 1, "maximum": 1}, "no number"),
+    ({"type": "string", "pattern": "^é$", "maxLength": 3}, "ASCII"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required names"), ("{not json", "not valid JSON"),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "derive no finite string"),
 ])
 def test_unsupported_or_bad_schema_is_a_value_error_naming_it(schema, keyword):
     with pytest.raises(ValueError, match=re.escape(keyword)):
-        schema_to_regex(schema)
+        Grammar(schema_to_grammar(schema))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -103,8 +121,7 @@ def test_token_mask_equals_a_brute_force_walk(seed):
     rng = random.Random(seed)
     pieces = [c.encode() for c in "ab{}\":, 0123€é"] + ["€".encode()[:2], "€".encode()[2:], "é".encode()[:1]]
     vocab = [b""] + [b"".join(rng.choice(pieces) for _ in range(rng.randint(1, 4))) for _ in range(300)]
-    dfa = compile_regex(schema_to_regex({"type": "object", "properties": {"a": {"type": "string"},
-                                                                          "b": {"enum": [1, "€é"]}}}))
+    dfa = compile_regex(r'\{(?:"a": "[^"\\]*"|"b": (?:1|"€é"))?\}')
     automaton = TokenAutomaton(dfa, TokenVocabulary(vocab, eos_token_id=0))
     for state in range(dfa.num_states):
         expected = [bool(b) and dfa.walk(state, b) != dfa.dead for b in vocab]
@@ -206,8 +223,8 @@ def test_bad_guided_params_are_value_errors(make, message):
 
 def test_bad_constraint_fails_before_any_token():
     llm = tiny_llm()
-    bad = SamplingParams(guided_decoding=GuidedDecodingParams(json={"type": "integer", "maximum": 3}))
-    with pytest.raises(ValueError, match="'maximum'"):
+    bad = SamplingParams(guided_decoding=GuidedDecodingParams(json={"type": "integer", "multipleOf": 3}))
+    with pytest.raises(ValueError, match="'multipleOf'"):
         llm.generate(PROMPTS, [SamplingParams()] * 2 + [bad], use_tqdm=False)
     assert not llm.engine.has_unfinished()
     with pytest.raises(ValueError, match="jump_forward needs a tokenizer with encode"):

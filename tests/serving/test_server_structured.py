@@ -1,6 +1,7 @@
 """Structured output through the server and the official openai client: response_format
-(json_schema, json_object), vLLM's guided_* extras, and tool calls (a named function and
-"required"), streamed and not; bad schemas and unsupported tool choices are 400s."""
+(json_schema, json_object), vLLM's guided_* extras (guided_grammar included), recursive and
+range-bounded schemas, and tool calls (a named function and "required"), streamed and not; bad
+schemas, grammars and unsupported tool choices are 400s."""
 import json
 import re
 from types import SimpleNamespace
@@ -61,6 +62,46 @@ def test_vllm_guided_extras(served):
     jsonschema.validate(json.loads(r.choices[0].message.content), CITY)
 
 
+RANGED = {"type": "object", "properties": {"year": {"type": "integer", "minimum": 1900, "maximum": 2025},
+                                           "rating": {"type": "number", "exclusiveMinimum": 0, "maximum": 5},
+                                           "released": {"type": "string", "format": "date"}},
+          "required": ["year", "rating", "released"]}
+TREE = {"$ref": "#/$defs/node", "$defs": {"node": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                     "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 3}},
+    "required": ["name", "children"]}}}
+
+
+def test_range_bounded_and_recursive_schemas(served):
+    r = served.client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "A film as JSON: year, rating out of 5, release date."}],
+        max_tokens=60, temperature=0, response_format={"type": "json_schema",
+                                                       "json_schema": {"name": "film", "schema": RANGED}})
+    assert r.choices[0].finish_reason == "stop"
+    film = json.loads(r.choices[0].message.content)
+    jsonschema.validate(film, RANGED, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    nested = 0
+    for seed in range(3):          # sampled: the model nests, and may nest past max_tokens (then: a prefix)
+        r = served.client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "A folder tree as JSON."}], max_tokens=120,
+            temperature=0.8, seed=seed, extra_body={"guided_json": TREE})
+        text = r.choices[0].message.content
+        if r.choices[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(text), TREE)
+        else:
+            assert r.choices[0].finish_reason == "length" and text.startswith('{"name": "')
+        nested = max(nested, text.count('"children": [{'))
+    assert nested >= 2
+
+
+def test_guided_grammar(served):
+    grammar = 'root ::= answer ", because " reason "."\nanswer ::= "yes" | "no"\nreason ::= [a-z ]{3,40}'
+    r = served.client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=40, temperature=0,
+                                              extra_body={"guided_grammar": grammar})
+    assert r.choices[0].finish_reason == "stop"
+    assert re.fullmatch(r"(yes|no), because [a-z ]{3,40}\.", r.choices[0].message.content)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("tool_choice", ["named", "required"])
 def test_tool_calls_are_constrained_by_the_function_parameters(served, stream, tool_choice):
@@ -91,7 +132,8 @@ def test_tool_calls_are_constrained_by_the_function_parameters(served, stream, t
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "integer", "minimum": 0}}}), "'minimum'"),
+        "type": "integer", "multipleOf": 2}}}), "'multipleOf'"),
+    (dict(extra_body={"guided_grammar": 'root ::= root "x" | "y"'}), "left recursion"),
     (dict(extra_body={"guided_regex": "a(b"}), "missing )"),
     (dict(tools=[WEATHER_TOOL], tool_choice="auto"), "'auto' is not"),
     (dict(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}), "'nope'"),
