@@ -231,7 +231,7 @@ def parse_grammar(text: str) -> dict[str, tuple]:
     return _EBNF(text).rules()
 
 
-# ---- compiling: rules -> one DFA per rule, checked ---------------------------------------
+# ---- compiling: rules -> checked -> inlined -> one DFA per remaining rule ------------------
 
 @dataclass
 class Rule:
@@ -246,17 +246,24 @@ class Rule:
 
 
 class Grammar:
-    """Compiled rules; rule 0 is the start rule."""
+    """Compiled rules; rule 0 is the start rule.
+
+    A call costs at run time: the stack grows, and a token that crosses the end of a called rule
+    depends on the caller (an "uncertain" token, pushdown.py). So rules that are not recursive are
+    inlined into their callers at compile time, and of each cycle of rules only one stays a call
+    (a loop breaker, preferably one that ends with a fixed byte such as "}"): JSON's string and
+    number rules become part of the object's DFA, and only the brackets push."""
 
     def __init__(self, text: str):
         trees = parse_grammar(text)
         if START not in trees:
             raise ValueError(f"grammar: there is no start rule `{START} ::= ...` (rules: {', '.join(trees)})")
-        names = [START] + [n for n in trees if n != START]
-        self.ids = {n: i for i, n in enumerate(names)}
+        _check(trees)
         self.text = text
-        self.rules = [self._compile(n, trees[n]) for n in names]
-        self._check()
+        kept, bodies = _inline(trees)
+        names = [START] + [n for n in kept if n != START]
+        self.ids = {n: i for i, n in enumerate(names)}
+        self.rules = [self._compile(n, bodies[n]) for n in names]
 
     def _compile(self, name: str, tree) -> Rule:
         callees: list[int] = []
@@ -264,8 +271,6 @@ class Grammar:
         def lower(node):                                   # ("ref", name) -> ("call", column)
             kind = node[0]
             if kind == "ref":
-                if node[1] not in self.ids:
-                    raise ValueError(f"grammar: rule {name!r} calls {node[1]!r}, which is not defined")
                 rid = self.ids[node[1]]
                 if rid not in callees:
                     callees.append(rid)
@@ -279,80 +284,168 @@ class Grammar:
         lowered = lower(tree)
         return Rule(name, compile_tree(lowered, f"grammar rule {name!r}", len(callees)), callees)
 
-    def _check(self):
-        """Refuse rules that derive nothing and left recursion, naming them."""
-        productive = _fixed_point(self.rules, lambda rule, done: _reaches_accept(rule, done, bytes_ok=True))
-        dead = [r.name for i, r in enumerate(self.rules) if i not in productive]
-        if dead:
-            raise ValueError(f"grammar: rule(s) {', '.join(dead)} derive no finite string (every alternative "
-                             f"calls a rule that never ends); give each a base case")
-        self.nullable = _fixed_point(self.rules, lambda rule, done: _reaches_accept(rule, done, bytes_ok=False))
-        for i, rule in enumerate(self.rules):                   # left calls: reachable before any byte
-            path = _left_recursion(self.rules, self.nullable, i)
-            if path:
-                raise ValueError(f"grammar: left recursion {' -> '.join(self.rules[j].name for j in path)}: a "
-                                 f"rule calls itself before reading any byte; rewrite it with repetition "
-                                 f"(a ::= a \"x\" | \"y\"  is  a ::= \"y\" \"x\"*)")
-
     def __repr__(self) -> str:
         return f"Grammar({len(self.rules)} rules, {sum(r.dfa.num_states for r in self.rules)} states)"
 
 
-def _fixed_point(rules: list[Rule], holds) -> set[int]:
-    done: set[int] = set()
+def _refs(node) -> set[str]:
+    kind = node[0]
+    if kind == "ref":
+        return {node[1]}
+    if kind in ("cat", "alt"):
+        return set().union(*(_refs(n) for n in node[1]))
+    return _refs(node[1]) if kind == "rep" else set()
+
+
+def _derives(node, done: set[str], empty_only: bool) -> bool:
+    """Can node derive a finite string (the empty one, if empty_only) using rules in `done`?"""
+    kind = node[0]
+    if kind == "set":
+        return not empty_only
+    if kind == "ref":
+        return node[1] in done
+    if kind == "cat":
+        return all(_derives(n, done, empty_only) for n in node[1])
+    if kind == "alt":
+        return any(_derives(n, done, empty_only) for n in node[1])
+    return node[2] == 0 or _derives(node[1], done, empty_only)
+
+
+def _fixed_point(trees: dict, empty_only: bool) -> set[str]:
+    done: set[str] = set()
     while True:
-        new = {i for i, rule in enumerate(rules) if i not in done and holds(rule, done)}
+        new = {n for n, t in trees.items() if n not in done and _derives(t, done, empty_only)}
         if not new:
             return done
         done |= new
 
 
-def _reaches_accept(rule: Rule, done: set[int], bytes_ok: bool) -> bool:
-    """Can the rule reach an accepting state from its start, through bytes (if bytes_ok) and
-    calls of rules in `done` only?"""
-    dfa, seen, todo = rule.dfa, {rule.dfa.start}, [rule.dfa.start]
-    while todo:
-        s = todo.pop()
-        if dfa.accepting[s]:
-            return True
-        nxt = [t for t in dfa.transitions[s][:256] if t != dfa.dead] if bytes_ok else []
-        nxt += [t for r, t in rule.calls(s) if r in done]
-        for t in nxt:
-            if t not in seen:
-                seen.add(t)
-                todo.append(t)
-    return False
+def _left_refs(node, nullable: set[str]) -> set[str]:
+    """Rules node may call before reading any byte."""
+    kind = node[0]
+    if kind == "ref":
+        return {node[1]}
+    if kind == "alt":
+        return set().union(*(_left_refs(n, nullable) for n in node[1]))
+    if kind == "rep":
+        return _left_refs(node[1], nullable) if node[3] != 0 else set()
+    out = set()
+    for part in node[1] if kind == "cat" else ():
+        out |= _left_refs(part, nullable)
+        if not _derives(part, nullable, empty_only=True):
+            break
+    return out
 
 
-def _left_recursion(rules: list[Rule], nullable: set[int], first: int) -> list[int] | None:
-    """A chain of calls first -> ... -> first made before any byte is read, or None."""
+def _check(trees: dict) -> None:
+    """Refuse undefined rules, rules that derive nothing and left recursion, naming them."""
+    for name, tree in trees.items():
+        for ref in sorted(_refs(tree) - set(trees)):
+            raise ValueError(f"grammar: rule {name!r} calls {ref!r}, which is not defined")
+    productive = _fixed_point(trees, empty_only=False)
+    dead = [n for n in trees if n not in productive]
+    if dead:
+        raise ValueError(f"grammar: rule(s) {', '.join(dead)} derive no finite string (every alternative "
+                         f"calls a rule that never ends); give each a base case")
+    nullable = _fixed_point(trees, empty_only=True)
+    left = {n: _left_refs(t, nullable) for n, t in trees.items()}
+    for first in trees:
+        cycle = _cycle_through(first, left)
+        if cycle:
+            raise ValueError(f"grammar: left recursion {' -> '.join(cycle)}: a rule calls itself before reading "
+                             f"any byte; rewrite it with repetition (a ::= a \"x\" | \"y\"  is  a ::= \"y\" \"x\"*)")
 
-    def left_callees(i: int) -> set[int]:
-        rule = rules[i]
-        seen, todo, out = {rule.dfa.start}, [rule.dfa.start], set()
-        while todo:
-            for r, t in rule.calls(todo.pop()):
-                out.add(r)
-                if r in nullable and t not in seen:
-                    seen.add(t)
-                    todo.append(t)
-        return out
 
-    parent: dict[int, int] = {}
+def _cycle_through(first: str, edges: dict[str, set[str]]) -> list[str] | None:
+    """A path first -> ... -> first along edges, or None (breadth first: the shortest)."""
+    parent: dict[str, str] = {}
     todo, seen = [first], {first}
     while todo:
-        i = todo.pop()
-        for j in left_callees(i):
-            if j == first:
-                chain = [i]
-                while chain[-1] != first:
-                    chain.append(parent[chain[-1]])
-                return chain[::-1] + [first]
-            if j not in seen:
-                seen.add(j)
-                parent[j] = i
-                todo.append(j)
+        nxt = []
+        for n in todo:
+            for m in sorted(edges.get(n, ())):
+                if m == first:
+                    chain = [n]
+                    while chain[-1] != first:
+                        chain.append(parent[chain[-1]])
+                    return chain[::-1] + [first]
+                if m not in seen:
+                    seen.add(m)
+                    parent[m] = n
+                    nxt.append(m)
+        todo = nxt
     return None
+
+
+MAX_INLINED_NODES = 20_000        # a rule whose inlined body would be larger stays a call
+
+
+def _size(node) -> int:
+    kind = node[0]
+    if kind in ("cat", "alt"):
+        return 1 + sum(_size(n) for n in node[1])
+    return 1 + _size(node[1]) if kind == "rep" else 1
+
+
+def _ends_with_a_byte(node) -> bool:
+    if node[0] == "set":
+        return True
+    return node[0] == "cat" and bool(node[1]) and _ends_with_a_byte(node[1][-1])
+
+
+def _split_recursive_alternatives(trees: dict) -> dict:
+    """value ::= object | array | number  ->  value ::= value#1 | value#2 | value#3, each option its
+    own rule, for every rule on a cycle: the loop breaker can then be the bracketed option
+    (object, ending with "}") while the number is inlined where value is called."""
+    edges = {n: _refs(t) for n, t in trees.items()}
+    out = dict(trees)
+    for name, tree in trees.items():
+        if tree[0] == "alt" and name != START and _cycle_through(name, edges):
+            parts = [f"{name}#{i}" for i in range(len(tree[1]))]
+            out.update(zip(parts, tree[1]))
+            out[name] = ("alt", tuple(("ref", p) for p in parts))
+    return out
+
+
+def _inline(trees: dict) -> tuple[list[str], dict]:
+    """(rules that stay calls, their bodies with every other rule substituted in)."""
+    trees = _split_recursive_alternatives(trees)
+    edges = {n: _refs(t) for n, t in trees.items()}
+    # a loop breaker ends with a fixed byte ("}" rather than a number), so few tokens cross its end
+    bracketed = {n for n, t in trees.items() if _ends_with_a_byte(t)}
+    kept = {START}
+    while True:
+        inner = {n: {m for m in e if m not in kept} for n, e in edges.items() if n not in kept}
+        cycle = next((c for n in inner if (c := _cycle_through(n, inner))), None)
+        if cycle is None:
+            break
+        kept.add(min(cycle[:-1], key=lambda n: (n not in bracketed, cycle.index(n))))
+    bodies: dict[str, tuple] = {}
+
+    def expand(node):
+        kind = node[0]
+        if kind == "ref":
+            name = node[1]
+            if name in kept:
+                return node
+            if name not in bodies:
+                bodies[name] = expand(trees[name])
+                if _size(bodies[name]) > MAX_INLINED_NODES:
+                    kept.add(name)
+                    return node
+            return node if name in kept else bodies[name]
+        if kind in ("cat", "alt"):
+            return (kind, tuple(expand(n) for n in node[1]))
+        return ("rep", expand(node[1]), node[2], node[3]) if kind == "rep" else node
+
+    out = {}
+    todo = [START]
+    while todo:                                         # the kept rules reachable from the start
+        name = todo.pop()
+        if name not in out:
+            out[name] = expand(trees[name])
+            todo += [m for m in _refs(out[name]) if m not in out]
+    return [n for n in out], out
 
 
 # ---- the definition: a naive matcher over the rule trees (what the automata are tested against) ----

@@ -594,8 +594,12 @@ class _NumberRange:
             nl = None if low is None or d > lo_d else low[1:]
             nh = None if high is None or d < hi_d else high[1:]
             groups.setdefault((nl, nh), []).append(d)
+        loop = None
         for (nl, nh), ds in groups.items():
             cls = f"[{ds[0]}-{ds[-1]}]" if len(ds) > 1 else literal(str(ds[0]))
+            if (nl, a_strict, nh, b_strict, False) == key:          # a "0" that changes nothing: a loop
+                loop = cls
+                continue
             after = self.state(nl, a_strict, nh, b_strict, nonempty=False)
             if after is not None:
                 options.append(f"{cls} {after}")
@@ -603,7 +607,8 @@ class _NumberRange:
             self.conv.rules.pop(name)
             del self.states[key]
             return None
-        self.conv.rules[name] = " | ".join(options)
+        body = " | ".join(options)
+        self.conv.rules[name] = f"{loop}* ({body})" if loop else body      # regular: no call back to itself
         return name
 
 

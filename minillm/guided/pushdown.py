@@ -20,8 +20,10 @@ the top frame's rule (and the rules it calls) does not depend on the stack below
     rejected     dies inside the frame,
     uncertain    leaves the frame with bytes left over, which the caller must read.
 A configuration's mask is then the union of its top frames' accepted sets, plus those uncertain
-tokens that the real stacks accept (walked with the real stacks: usually a few hundred tokens,
-not the vocabulary). Masks are also cached per configuration (least recently used dropped).
+tokens that the real stacks accept (walked with the real stacks: usually a handful, not the
+vocabulary). The bottom frame's caller is known (the end of the document), so it has none.
+Masks are also cached per configuration (least recently used dropped). grammar.py inlines the
+rules that are not recursive, which is what keeps calls, and so uncertain tokens, rare.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ LOCAL = -2           # the parent in a probe of one frame: popping it leaves the
 DEAD = 0             # the empty configuration (no stack can go on)
 DONE, LEFT = 1, 2    # flags of a configuration: the bottom frame was popped just now / earlier
 MASKS_CACHED = 512   # per-configuration masks kept per automaton
+WALK_ONE_BY_ONE = 256  # fewer uncertain tokens than this: walk each in Python, not the vectorised gather
 
 
 class PushdownAutomaton:
@@ -61,8 +64,9 @@ class PushdownAutomaton:
         self.configs: list[tuple[bool, frozenset, int]] = [(False, frozenset(), 0)]   # (local, stacks, flags); DEAD
         self.table = torch.full((64, 256), -1, dtype=torch.long)     # (C, 256) next config, -1 not yet known
         self._steps: dict[int, int] = {}                              # config * 256 + byte -> config
-        self.frame_masks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.frame_masks: dict[tuple[int, int, bool], tuple[torch.Tensor, list[int], bool]] = {}
         self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.rank = torch.argsort(vocab.order)                              # (V,) token id -> sorted row
         stacks, done = self._closure(self._node(0, self.rule_start[0], ROOT))
         self.start = self._config(False, stacks, DONE if done else 0)
         self.dead = DEAD
@@ -169,14 +173,18 @@ class PushdownAutomaton:
                           dtype=torch.long)
         self.table = torch.cat([self.table, more])
 
-    def frame_mask(self, rule: int, state: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def frame_mask(self, node: int) -> tuple[torch.Tensor, list[int], bool]:
         """The stack-independent part for a top frame: (accepted bool (V,) by token id, uncertain
-        sorted rows), from one walk of the vocabulary with an unknown caller; cached."""
-        key = (rule, state)
+        token ids, whether any token is accepted), from one walk of the vocabulary with an unknown
+        caller; cached per (rule, state, bottom). A bottom frame's caller is known (the end of the
+        document), so it has no uncertain tokens."""
+        rule, state, parent = self.nodes[node]
+        key = (rule, state, parent == ROOT)
         hit = self.frame_masks.get(key)
         if hit is None:
-            stacks, popped = self._closure(self._node(rule, state, LOCAL))
-            probe = self._config(True, stacks, DONE if popped else 0)
+            bottom = parent == ROOT
+            stacks, popped = self._closure(self._node(rule, state, ROOT if bottom else LOCAL))
+            probe = self._config(not bottom, stacks, DONE if popped else 0)
             v = self.vocab
             rows, ends = self.walk(probe, torch.arange(v.active[0] if v.active else 0))
             kinds, which = torch.unique(ends, return_inverse=True)
@@ -185,7 +193,8 @@ class PushdownAutomaton:
             accepted = ok[which]                                                # (R,)
             mask = torch.zeros(len(v.token_bytes), dtype=torch.bool)
             mask[v.order[rows[accepted]]] = True
-            hit = self.frame_masks[key] = (mask, rows[~accepted])
+            uncertain = sorted(v.order[rows[~accepted]].tolist())
+            hit = self.frame_masks[key] = (mask, uncertain, bool(accepted.any()))
         return hit
 
     def mask(self, config: int) -> torch.Tensor:
@@ -195,26 +204,40 @@ class PushdownAutomaton:
             self._masks.move_to_end(config)
             return m
         _, stacks, flags = self.configs[config]
-        m = torch.zeros(len(self.vocab.token_bytes), dtype=torch.bool)
-        uncertain = []
-        for n in stacks:
-            accepted, rows = self.frame_mask(*self.nodes[n][:2])
+        frames = [self.frame_mask(n) for n in stacks]
+        m = frames[0][0].clone() if frames else torch.zeros(len(self.vocab.token_bytes), dtype=torch.bool)
+        for accepted, _, _ in frames[1:]:
             m |= accepted
-            uncertain.append(rows)
-        if uncertain:
-            rows = torch.unique(torch.cat(uncertain))                           # sorted
-            alive, _ = self.walk(config, rows)
-            m[self.vocab.order[alive]] = True
+        uncertain = sorted(set().union(*(u for _, u, _ in frames))) if len(frames) > 1 else \
+            (frames[0][1] if frames else [])
+        if len(uncertain) <= WALK_ONE_BY_ONE:                                    # walked on the real stacks
+            allowed = [t for t in uncertain if self.next_state(config, t) != DEAD]
+        else:
+            rows, _ = self.walk(config, torch.sort(self.rank[uncertain]).values)
+            allowed = self.vocab.order[rows].tolist()
+        if allowed:
+            m[allowed] = True
         eos = self.vocab.eos_token_id
-        if eos is not None and eos < len(m):
-            m[eos] = bool(flags & DONE)
-        if not m.any() and config != DEAD:
+        if flags & DONE and eos is not None and eos < len(m):       # EOS has no bytes: False in every frame mask
+            m[eos] = True
+        if not (allowed or flags & DONE or any(f[2] for f in frames)) and config != DEAD:
             raise ValueError("guided decoding: no token of the vocabulary continues the grammar here; the "
                              "constraint needs characters this tokenizer cannot produce")
         self._masks[config] = m
         if len(self._masks) > MASKS_CACHED:
             self._masks.popitem(last=False)
         return m
+
+    def precompute(self) -> None:
+        """Every frame's mask now rather than on first use (what xgrammar does at compile time)."""
+        some_caller = self._node(0, self.rule_start[0], ROOT)
+        called = {r for rule in self.grammar.rules for r in rule.callees}
+        for rule, dfa_rows in enumerate(self.trans):
+            for state in range(len(dfa_rows)):
+                if self.has_bytes[rule][state]:
+                    if rule in called:                   # under a caller
+                        self.frame_mask(self._node(rule, state, some_caller))
+                    self.frame_mask(self._node(rule, state, ROOT))       # at the bottom (tail calls too)
 
     def next_state(self, config: int, token: int) -> int:
         if token == self.vocab.eos_token_id:
@@ -230,7 +253,7 @@ class PushdownAutomaton:
         return [b for b in range(256) if self.step(config, b) != DEAD]
 
     def stats(self) -> dict:
-        uncertain = [len(rows) for _, rows in self.frame_masks.values()]
+        uncertain = [len(ids) for _, ids, _ in self.frame_masks.values()]
         return {"frames_cached": len(self.frame_masks), "configurations": len(self.configs),
                 "stack_nodes": len(self.nodes),
                 "uncertain_tokens_mean": sum(uncertain) / max(len(uncertain), 1)}

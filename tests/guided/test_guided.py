@@ -176,6 +176,32 @@ def test_guided_greedy_is_the_argmax_of_the_masked_logits():
     assert not all(re.fullmatch("[0-9]{4}", o.outputs[0].text) for o in (mixed[0], mixed[2]))   # the mask acted
 
 
+NESTED = 'root ::= "[" item ("," item)* "]"\nitem ::= [0-9]+ | root'
+
+
+def test_grammar_requests_share_steps_with_free_text_ones():
+    """Free, grammar-guided and regex-guided rows in the same engine steps: each free row is
+    token-for-token what it is alone (the masks touch only their own rows), each guided one is
+    what it is alone and matches its grammar (a recursive one: nested lists)."""
+    llm = tiny_llm()
+    free = SamplingParams(temperature=0, max_tokens=12)
+    nested = SamplingParams(temperature=0, max_tokens=40, guided_decoding=GuidedDecodingParams(grammar=NESTED))
+    digits = SamplingParams(temperature=0, max_tokens=8, guided_decoding=GuidedDecodingParams(regex="[0-9]{4}"))
+    prompts = PROMPTS + [{"prompt_token_ids": [7, 8, 9]}]
+    params = [free, nested, free, digits]
+    mixed = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, mixed):
+        alone = llm.generate([prompt], p, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    text = mixed[1].outputs[0].text
+    matcher = PushdownAutomaton(Grammar(NESTED), TokenVocabulary([b"x"], None))
+    config = matcher.start
+    for b in text.encode():
+        config = matcher.step(config, b)
+    assert config != matcher.dead and (mixed[1].outputs[0].finish_reason == "length" or matcher.is_accepting(config))
+    assert re.fullmatch("[0-9]{4}", mixed[3].outputs[0].text)
+
+
 def test_cut_by_max_tokens_is_a_valid_prefix():
     llm = tiny_llm()
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=5,

@@ -101,6 +101,21 @@ def test_a_recursive_schema_nests_and_every_output_is_a_document_or_a_prefix(sma
     assert max(o.outputs[0].text.count('"replies": [{') for o in outs) >= 2
 
 
+def test_json_requests_batched_with_free_text_requests(small_llm):
+    """The mix production engines have shipped bugs in: free-text and JSON-guided requests in the
+    same steps. Free rows are token-for-token what they are alone; JSON rows too, and validate."""
+    ps = prompts(small_llm)
+    free = SamplingParams(temperature=0, max_tokens=24)
+    guided = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, guided_decoding=GuidedDecodingParams(json=s))
+              for _, s in SUITE[:2]]
+    params = [free, guided[0], free, guided[1]]
+    mixed = small_llm.generate(ps[:4], params, use_tqdm=False)
+    for prompt, p, out in zip(ps[:4], params, mixed):
+        assert out.outputs[0].token_ids == small_llm.generate([prompt], p, use_tqdm=False)[0].outputs[0].token_ids
+    for out, (_, schema) in zip((mixed[1], mixed[3]), SUITE[:2]):
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
 def test_cut_by_max_tokens_is_a_valid_prefix(small_llm):
     """finish_reason 'length' and the text is a prefix of some valid document: the DFA is not dead."""
     _, schema = SUITE[1]
