@@ -2,18 +2,18 @@
 
 Per schema (a flat record with long fixed keys, a nested one with an array and enums):
 
-    compile      schema -> regex -> DFA (seconds, once per schema), and the token masks of
-                 every DFA state over SmolLM2's vocabulary (what a cold cache pays at most;
-                 --quick times a sample of 48 states and leaves all_masks_s empty)
-    mask/step    the per-step cost once a state's mask is cached: a lookup + masked_fill (ms,
-                 median over many calls); and the first visit of a state (ms, median)
+    compile      schema -> grammar -> rule DFAs -> pushdown automaton (seconds, once per schema),
+                 and the token masks of every frame (rule, state) over SmolLM2's vocabulary (what
+                 the lazy cache pays at most, pushdown.precompute; --quick leaves all_masks_s empty)
+    mask/step    the per-step cost once a mask is cached: a lookup + masked_fill (ms, median over
+                 many calls); and the first visit of a frame: one walk of the vocabulary (ms, median)
     tokens/s     the same prompts through the engine, free text vs guided vs guided with
                  jump-forward (warm: the masks are cached by a warm-up run); output tokens /
                  wall time, median over repeats
     jump-forward tokens appended without a model step, and model steps per request
 
-Free text runs with ignore_eos for as many tokens as the guided outputs have on average, so
-both generate the same amount. All outputs of the guided runs are checked to parse as JSON.
+Free text runs with ignore_eos, each request for as many tokens as its guided output has, so
+both generate the same amount and the batch shrinks at the same steps. All outputs of the guided runs are checked to parse as JSON.
 """
 from __future__ import annotations
 
@@ -50,33 +50,42 @@ QUESTIONS = {"record": ["Describe a customer.", "Invent a customer from Lyon.", 
 
 
 def _compile_costs(llm, schema, quick: bool) -> dict:
-    from minillm.guided.guide import Guide, compile_guide
-    from minillm.guided.json_schema import schema_to_regex
-    from minillm.guided.regex import compile_regex
+    from minillm.guided.grammar import Grammar
+    from minillm.guided.guide import compile_guide
+    from minillm.guided.json_schema import schema_to_grammar
+    from minillm.guided.pushdown import PushdownAutomaton
     from minillm.engine.sampling import GuidedDecodingParams
 
     t0 = time.perf_counter()
-    dfa = compile_regex(schema_to_regex(schema))
-    regex_s = time.perf_counter() - t0
-    guide = compile_guide(GuidedDecodingParams(json=schema), llm.tokenizer, llm.config.vocab_size)
-    fresh = Guide(guide.regex, guide.automaton.vocab, llm.tokenizer)          # an empty mask cache
-    # every state in a full run; quick mode times an evenly spaced sample of them
-    measured = range(dfa.num_states) if not quick else range(0, dfa.num_states, max(1, dfa.num_states // 48))
+    grammar = Grammar(schema_to_grammar(schema))
+    compile_s = time.perf_counter() - t0
+    vocab = compile_guide(GuidedDecodingParams(json=schema), llm.tokenizer, llm.config.vocab_size).automaton.vocab
+    fresh = PushdownAutomaton(grammar, vocab)                              # empty mask caches
+    frames = [(r, s) for r, rule in enumerate(grammar.rules) for s in range(rule.dfa.num_states)
+              if fresh.has_bytes[r][s]]
+    measured = frames if not quick else frames[::max(1, len(frames) // 48)]
     cold = []
-    for state in measured:
+    for rule, state in measured:                                           # the first visit of a frame
+        node = fresh._node(rule, state, -1)
         t0 = time.perf_counter()
-        fresh.automaton.mask(state)
+        fresh.frame_mask(node)
         cold.append(time.perf_counter() - t0)
     logits = torch.randn(llm.config.vocab_size)                                # (V,)
-    states = list(measured)
+    masks = [fresh.frame_masks[k][0] for k in list(fresh.frame_masks)]
     warm = []
     for i in range(400):
-        mask = fresh.automaton.mask(states[i % len(states)])
+        mask = masks[i % len(masks)]
         t0 = time.perf_counter()
         logits.masked_fill(~mask, float("-inf"))
         warm.append(time.perf_counter() - t0)
-    return {"dfa_states": dfa.num_states, "regex_to_dfa_s": regex_s, "mask_states_timed": len(cold),
-            "all_masks_s": None if quick else sum(cold),
+    all_masks = None
+    if not quick:
+        eager = PushdownAutomaton(grammar, vocab)
+        t0 = time.perf_counter()
+        eager.precompute()
+        all_masks = time.perf_counter() - t0
+    return {"grammar_rules": len(grammar.rules), "rule_states": sum(r.dfa.num_states for r in grammar.rules),
+            "schema_to_automaton_s": compile_s, "mask_frames_timed": len(cold), "all_masks_s": all_masks,
             "cold_mask_ms": 1e3 * statistics.median(cold), "warm_mask_ms": 1e3 * statistics.median(warm)}
 
 
@@ -95,8 +104,8 @@ def _throughputs(llm, schema, prompts, repeats: int) -> dict:
                           guided_decoding=GuidedDecodingParams(json=schema, jump_forward=True))
     _, warm_reqs = _generate(llm, prompts, guided)                 # warm-up: fills the mask cache
     _generate(llm, prompts, jump)
-    mean_tokens = round(statistics.mean(len(r.output_token_ids) for r in warm_reqs))
-    free = SamplingParams(temperature=0, max_tokens=mean_tokens, ignore_eos=True)
+    # free text with each request's own guided length: the batch shrinks at the same steps
+    free = [SamplingParams(temperature=0, max_tokens=len(r.output_token_ids), ignore_eos=True) for r in warm_reqs]
     _generate(llm, prompts, free)
     runs = {"free": [], "guided": [], "jump_forward": []}
     last = {}
