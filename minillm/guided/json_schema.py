@@ -488,14 +488,23 @@ def _digits_between(lo: str, hi: str) -> str:
         return '""'
     if lo == hi:
         return literal(lo)
-    if lo[0] == hi[0]:
-        return f'{literal(lo[0])} {_digits_between(lo[1:], hi[1:])}'
     k = len(lo) - 1
-    options = [f'{literal(lo[0])} {_digits_between(lo[1:], "9" * k)}'] if k else [literal(lo[0])]
-    if int(hi[0]) - int(lo[0]) > 1:
-        options.append(f"[{int(lo[0]) + 1}-{int(hi[0]) - 1}]" + (f" [0-9]{{{k}}}" if k else ""))
-    options.append(f'{literal(hi[0])} {_digits_between("0" * k, hi[1:])}' if k else literal(hi[0]))
-    return "(" + " | ".join(options) + ")"
+    if k == 0:
+        return f"[{lo}-{hi}]"
+    if lo[0] == hi[0]:
+        return f"{literal(lo[0])} {_digits_between(lo[1:], hi[1:])}"
+    first, last = int(lo[0]), int(hi[0])         # digits free after them: [first-last] [0-9]{k}
+    options = []
+    if lo[1:] != "0" * k:                         # lo's first digit needs the rest >= lo[1:]
+        options.append(f'{literal(lo[0])} ({_digits_between(lo[1:], "9" * k)})')
+        first += 1
+    tail = []
+    if hi[1:] != "9" * k:                         # hi's first digit needs the rest <= hi[1:]
+        tail.append(f'{literal(hi[0])} ({_digits_between("0" * k, hi[1:])})')
+        last -= 1
+    if first <= last:
+        options.append((f"[{first}-{last}]" if first < last else literal(str(first))) + f" [0-9]{{{k}}}")
+    return "(" + " | ".join(options + tail) + ")"
 
 
 def nonneg_range(lo: int, hi: int | None) -> str:

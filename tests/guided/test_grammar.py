@@ -11,7 +11,6 @@ import uuid
 from decimal import Decimal
 
 import pytest
-import torch
 
 from minillm.guided.grammar import Grammar, naive_match
 from minillm.guided.json_schema import schema_to_grammar
