@@ -160,13 +160,53 @@ def allowed_by_hand(state):
 
 by_hand = allowed_by_hand(dfa.start)
 guide = compile_guide(GuidedDecodingParams(choice=choice), tok, V)
-mask = guide.automaton.mask(guide.dfa.start)                  # bool (V,), EOS included where accepting
+mask = guide.automaton.mask(guide.automaton.start)            # bool (V,), EOS included where accepting
 library = [t for t in mask.nonzero().flatten().tolist() if t != tok.eos_token_id]
 print(f"allowed at the start: {len(by_hand)} tokens, e.g. {[tok.decode([t]) for t in by_hand[:8]]}")
 print("same allowed tokens as the library:", by_hand == library)
 
 # %% [markdown]
-# ## 4. Guided generation with SmolLM2: a JSON schema, validated
+# ## 4. Why JSON needs a stack: a grammar, its pushdown automaton and the mask cache
+#
+# A regex cannot check that every `[` is closed. A grammar can: each rule is a DFA over bytes with one column per rule
+# it calls (`minillm/guided/grammar.py`), and the parser keeps a stack of calls (`minillm/guided/pushdown.py`). Below, a
+# recursive grammar, a document 50 levels deep, and the frame cache: per (rule, state) the tokens are accepted, rejected
+# or uncertain; only the uncertain ones are walked on the real stack.
+
+# %%
+from minillm.guided import Grammar, PushdownAutomaton
+from minillm.guided.token_automaton import TokenVocabulary
+nested = 'root ::= "[" (item (", " item)*)? "]"\nitem ::= [0-9]+ | root'
+grammar = Grammar(nested)
+print("rules kept as calls:", [r.name for r in grammar.rules], "| DFA states:", [r.dfa.num_states for r in grammar.rules])
+pda = PushdownAutomaton(grammar, TokenVocabulary(token_bytes, tok.eos_token_id))
+def walk(text):
+    config = pda.start
+    for b in text.encode():
+        config = pda.step(config, b)
+    return config
+deep = "[" * 50 + "7" + "]" * 50
+print("50 levels deep accepted:", pda.is_accepting(walk(deep)), "| one ] too many rejected:", walk(deep + "]") == pda.dead)
+inside = walk("[[1, [2")
+stack = sorted(pda.configs[inside][1])[0]
+allowed_here = pda.mask(inside)
+accepted, uncertain, _ = pda.frame_mask(stack)
+by_walking = [t for t, b in enumerate(token_bytes) if b and pda.next_state(inside, t) != pda.dead]
+print(f"in '[[1, [2': frame accepts {int(accepted.sum())} tokens, {len(uncertain)} uncertain (walked on the stack), "
+      f"mask allows {int(allowed_here.sum())}")
+print("same allowed tokens as walking each token:", allowed_here.nonzero().flatten().tolist() == by_walking)
+print("e.g. uncertain:", [tok.decode([t]) for t in uncertain[:8]])
+
+# %% [markdown]
+# A JSON schema becomes such a grammar (`minillm/guided/json_schema.py`), ranges and formats included:
+
+# %%
+from minillm.guided import schema_to_grammar
+print(schema_to_grammar({"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 130}},
+                         "required": ["age"], "additionalProperties": False}))
+
+# %% [markdown]
+# ## 5. Guided generation with SmolLM2: a JSON schema, validated
 #
 # Every output must parse and validate against its schema. With `jump_forward=True` the fixed text the schema
 # forces (keys, separators) is appended without a model step.
@@ -199,6 +239,7 @@ for jump in (False, True):
 # - At the same block size a hash chain and a radix tree find the same prefix hits; this tree (like SGLang's) keeps
 #   one copy of a prefix that concurrent requests computed side by side, which is memory (and so concurrency) under
 #   load. That is how it is implemented, not a property of the index: a hash index could share duplicates too.
-# - Structured output is a DFA over bytes lifted to tokens: on this CPU the per-step cost is a cached mask and
-#   compiling a new schema is what costs (seconds). On a GPU a decode step takes milliseconds and a mask over a
+# - Structured output is an automaton over bytes lifted to tokens: a DFA for a regex, a pushdown automaton for a
+#   grammar (JSON nests). On this CPU the per-step cost is a cached mask and building the masks of a new schema is what
+#   costs (a walk of the vocabulary per grammar frame). On a GPU a decode step takes milliseconds and a mask over a
 #   128K vocabulary can take as long, which is why xgrammar overlaps the mask with the GPU's forward (lesson 12). Jump-forward turns the text a schema fixes into prefill-like chunks.

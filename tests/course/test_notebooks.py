@@ -30,7 +30,8 @@ PRINTED_SAME = {
     "11_parallelism.ipynb": ("column slices side by side == unsplit hidden", "sum of partial products == x W^T",
                              "counted == formula", "same", "same tokens"),
     "12_sglang_ideas.ipynb": ("same hits as by hand", "identical tokens with none / hash / radix",
-                              "same allowed tokens as the library", "valid"),
+                              "same allowed tokens as the library", "same allowed tokens as walking each token",
+                              "valid"),
     "13_deepseek.ipynb": ("same tokens as transformers", "v is a view of it", "same experts as the library"),
 }
 # Printed differences between two computations of the same value: (pattern with the number, bound).
