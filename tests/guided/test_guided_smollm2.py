@@ -116,6 +116,35 @@ def test_json_requests_batched_with_free_text_requests(small_llm):
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
 
 
+def test_every_corpus_schema_generates_documents_that_validate(small_llm):
+    """The corpus of bench grammar (minillm/course/benchmarks/schema_corpus.py), sampled: every output
+    that stopped validates with jsonschema and its format checker; one cut by max_tokens is a live
+    prefix (a recursive schema may keep nesting, an unbounded string may run on). Half of them stop
+    at least."""
+    from minillm.course.benchmarks.schema_corpus import SCHEMAS, format_checker
+
+    names = list(SCHEMAS)
+    question = "Reply with an example JSON value for a record called {}."
+    ps = [small_llm.tokenizer.apply_chat_template([{"role": "user", "content": question.format(n)}]) for n in names]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=160, guided_decoding=GuidedDecodingParams(json=s))
+              for i, s in enumerate(SCHEMAS.values())]
+    outs = small_llm.generate(ps, params, use_tqdm=False)
+    stopped = 0
+    for name, out in zip(names, outs):
+        completion = out.outputs[0]
+        if completion.finish_reason == "stop":
+            stopped += 1
+            jsonschema.validate(json.loads(completion.text), SCHEMAS[name], format_checker=format_checker())
+        else:
+            automaton = compile_guide(GuidedDecodingParams(json=SCHEMAS[name]), small_llm.tokenizer,
+                                      small_llm.config.vocab_size).automaton
+            state = automaton.start
+            for b in completion.text.encode():
+                state = automaton.step(state, b)
+            assert state != automaton.dead, (name, completion.text)
+    assert stopped >= len(names) // 2
+
+
 def test_cut_by_max_tokens_is_a_valid_prefix(small_llm):
     """finish_reason 'length' and the text is a prefix of some valid document: the DFA is not dead."""
     _, schema = SUITE[1]
