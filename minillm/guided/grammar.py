@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .regex import CLASS_ESCAPES, DFA, MAX_REPEAT, compile_tree, negate
+from .regex import CLASS_ESCAPES, DFA, MAX_REPEAT, _Parser, compile_tree, negate
 from .utf8 import MAX_CODE_POINT
 
 START = "root"
@@ -36,7 +36,10 @@ HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 
 # ---- parsing: EBNF text -> {name: tree} ---------------------------------------------------
 
-class _EBNF:
+class _EBNF(_Parser):
+    """regex.py's parser with whitespace and comments between items, rule names and "literals";
+    alternation is inherited (it calls concatenation, which here stops where the next rule starts)."""
+
     def __init__(self, text: str):
         if not isinstance(text, str):
             raise ValueError(f"a grammar must be EBNF text; got {type(text).__name__}")
@@ -102,14 +105,7 @@ class _EBNF:
             self.error("the grammar has no rules")
         return out
 
-    def alternation(self):
-        options = [self.sequence()]
-        while self.peek() == "|":
-            self.i += 1
-            options.append(self.sequence())
-        return options[0] if len(options) == 1 else ("alt", tuple(options))
-
-    def sequence(self):
+    def concatenation(self):
         parts = []
         while self.peek() not in (None, "|", ")") and not self.at_rule_start():
             parts.append(self.repetition())
@@ -263,6 +259,7 @@ class Grammar:
         kept, bodies = _inline(trees)
         names = [START] + [n for n in kept if n != START]
         self.ids = {n: i for i, n in enumerate(names)}
+        self._dfas: dict[tuple, DFA] = {}
         self.rules = [self._compile(n, bodies[n]) for n in names]
 
     def _compile(self, name: str, tree) -> Rule:
@@ -282,7 +279,10 @@ class Grammar:
             return node
 
         lowered = lower(tree)
-        return Rule(name, compile_tree(lowered, f"grammar rule {name!r}", len(callees)), callees)
+        key = (lowered, len(callees))     # rules that differ only in which rules they call share a DFA
+        if key not in self._dfas:
+            self._dfas[key] = compile_tree(lowered, f"grammar rule {name!r}", len(callees))
+        return Rule(name, self._dfas[key], callees)
 
     def __repr__(self) -> str:
         return f"Grammar({len(self.rules)} rules, {sum(r.dfa.num_states for r in self.rules)} states)"
@@ -377,14 +377,23 @@ def _cycle_through(first: str, edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-MAX_INLINED_NODES = 20_000        # a rule whose inlined body would be larger stays a call
+MAX_INLINED_COST = 4_000     # automaton states a rule's inlined body may need before it stays a call
+MAX_INLINED_DEPTH = 64       # and nesting (a long chain of small rules is split into calls too)
 
 
-def _size(node) -> int:
+def _measure(node, stats: dict) -> tuple[int, int]:
+    """(cost, depth) of a body: cost ~ the automaton states it builds (a repetition builds its
+    copies), depth the nesting; a ref counts with its rule's measured body, in `stats`."""
     kind = node[0]
+    if kind == "ref":
+        return stats.get(node[1], (1, 1))
     if kind in ("cat", "alt"):
-        return 1 + sum(_size(n) for n in node[1])
-    return 1 + _size(node[1]) if kind == "rep" else 1
+        parts = [_measure(n, stats) for n in node[1]]
+        return 1 + sum(c for c, _ in parts), 1 + max((d for _, d in parts), default=0)
+    if kind == "rep":
+        cost, depth = _measure(node[1], stats)
+        return 1 + cost * max(1, node[3] if node[3] is not None else node[2] + 1), 1 + depth
+    return len(node[1]), 1
 
 
 def _ends_with_a_byte(node) -> bool:
@@ -421,31 +430,53 @@ def _inline(trees: dict) -> tuple[list[str], dict]:
             break
         kept.add(min(cycle[:-1], key=lambda n: (n not in bracketed, cycle.index(n))))
     bodies: dict[str, tuple] = {}
+    stats: dict[str, tuple[int, int]] = {}
 
-    def expand(node):
+    def substitute(node):
         kind = node[0]
         if kind == "ref":
-            name = node[1]
-            if name in kept:
-                return node
-            if name not in bodies:
-                bodies[name] = expand(trees[name])
-                if _size(bodies[name]) > MAX_INLINED_NODES:
-                    kept.add(name)
-                    return node
-            return node if name in kept else bodies[name]
+            return node if node[1] in kept else bodies[node[1]]
         if kind in ("cat", "alt"):
-            return (kind, tuple(expand(n) for n in node[1]))
-        return ("rep", expand(node[1]), node[2], node[3]) if kind == "rep" else node
+            return (kind, tuple(substitute(n) for n in node[1]))
+        return ("rep", substitute(node[1]), node[2], node[3]) if kind == "rep" else node
 
-    out = {}
-    todo = [START]
+    for name in _callees_first(edges, kept):           # no cycles among the rest: each body once
+        bodies[name] = substitute(trees[name])
+        cost, depth = _measure(trees[name], stats)
+        if name not in kept and (cost > MAX_INLINED_COST or depth > MAX_INLINED_DEPTH):
+            kept.add(name)                              # too big to copy into every caller: a call
+            stats[name] = (1, 1)
+        else:
+            stats[name] = (cost, depth)
+    out, todo = {}, [START]
     while todo:                                         # the kept rules reachable from the start
         name = todo.pop()
         if name not in out:
-            out[name] = expand(trees[name])
+            out[name] = bodies[name]
             todo += [m for m in _refs(out[name]) if m not in out]
-    return [n for n in out], out
+    return list(out), out
+
+
+def _callees_first(edges: dict[str, set[str]], kept: set[str]) -> list[str]:
+    """Every rule, each after the rules it inlines (a call of a kept rule is not followed: it is
+    where the cycles are broken), without recursion, so that long chains of rules are fine."""
+    order, state = [], {}
+    for root in edges:
+        stack = [(root, iter(sorted(edges[root])))]
+        if root in state:
+            continue
+        state[root] = "open"
+        while stack:
+            name, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                state[name] = "done"
+                order.append(name)
+            elif child not in kept and child not in state:
+                state[child] = "open"
+                stack.append((child, iter(sorted(edges[child]))))
+    return order
 
 
 # ---- the definition: a naive matcher over the rule trees (what the automata are tested against) ----

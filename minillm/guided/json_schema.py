@@ -83,6 +83,7 @@ FORMATS = {
 }
 JSON_ESCAPES = {0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
 MAX_PATTERN_STATES = 20_000       # pattern x length: states of the product automaton
+CHUNK = 64                        # string characters per rule of a long length-bounded string
 
 
 def literal(text: str) -> str:
@@ -278,7 +279,19 @@ class _Converter:
             return self.pattern(schema["pattern"], lo, hi, path)
         if lo == 0 and hi is None:
             return self.builtin("json-string")
-        return f'"\\"" {CHAR}{{{lo},{"" if hi is None else hi}}} "\\""'
+        return f'"\\"" {self.chars(lo, hi)} "\\""'
+
+    def chars(self, lo: int, hi: int | None) -> str:
+        """lo to hi JSON string characters. Past CHUNK, a chain of rules, CHUNK characters each (one
+        automaton of maxLength copies would be thousands of states): the next link is entered only
+        once this one is full, so every length is written one way."""
+        if max(lo, hi or 0) <= CHUNK:
+            return f"{CHAR}{{{lo},{'' if hi is None else hi}}}"
+        name = self.new_rule("chars")
+        rest = self.chars(max(lo - CHUNK, 0), None if hi is None else hi - CHUNK)
+        full = f"{CHAR}{{{CHUNK}}} {rest}"
+        self.rules[name] = full if lo >= CHUNK else f"{full} | {CHAR}{{{lo},{CHUNK - 1}}}"
+        return name
 
     def pattern(self, pattern, lo: int, hi: int | None, path: str) -> str:
         if not isinstance(pattern, str):

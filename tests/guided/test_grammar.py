@@ -265,3 +265,17 @@ def test_non_recursive_rules_are_inlined_and_one_rule_per_cycle_stays_a_call():
     assert [r.name for r in Grammar(text).rules] == ["root", "obj"]    # obj ends with "}": the loop breaker
     assert [r.name for r in Grammar(schema_to_grammar({"type": "object", "properties": {
         "a": {"type": "string"}, "b": {"type": "number"}}})).rules] == ["root"]
+
+
+def test_long_length_bounds_compile_as_chains_of_rules():
+    """maxLength 200 is one automaton of 200 character copies if written out; chained rules of 64
+    characters each keep every DFA small and every length still written exactly one way. A
+    pattern with maxLength 300 is a chain of product states: split into calls, not a deep copy."""
+    ok = accepts({"type": "string", "maxLength": 200})
+    assert [ok(json.dumps("a" * n)) for n in (0, 63, 64, 65, 128, 199, 200, 201)] == [True] * 7 + [False]
+    ok = accepts({"type": "string", "minLength": 130})
+    assert [ok(json.dumps("é" * n)) for n in (129, 130, 400)] == [False, True, True]
+    schema = {"type": "string", "pattern": "^[a-z]+$", "maxLength": 300}
+    assert max(r.dfa.num_states for r in Grammar(schema_to_grammar(schema)).rules) < 200
+    ok = accepts(schema)
+    assert [ok(json.dumps("q" * n)) for n in (0, 1, 300, 301)] == [False, True, True, False]
