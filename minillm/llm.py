@@ -223,9 +223,6 @@ class LLM:
         guided = params.guided_decoding
         if guided is None:
             return None
-        if self.speculative_method is not None:
-            raise ValueError(f"guided_decoding with speculative_method = {self.speculative_method!r} is not "
-                             f"supported (drafted tokens would need the grammar too); use speculative_method=None")
         from minillm.guided.guide import GuideState, check_jump_forward, compile_guide
 
         if guided.jump_forward:

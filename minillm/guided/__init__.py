@@ -12,7 +12,8 @@ choice=[...] | grammar=... | json_object=True)); OutputProcessor.append (minillm
 path (the engine, the batch-1 contiguous path, LLM.stream, the server). Guarantees: a request
 that finishes with "stop" matches its regex or grammar (its JSON validates); one cut by max_tokens (or a
 stop string) finishes with "length" (or "stop") and its text is a PREFIX of a valid output, not
-a valid document. Speculative decoding with a guide is refused.
+a valid document. With speculative decoding, drafts end where the grammar forbids one and the
+target's rows are masked by the state each continues (minillm/speculative/engine.py).
 """
 from .grammar import Grammar
 from .guide import Guide, GuideState, compile_guide, guide_source

@@ -64,10 +64,13 @@ class EngineSpeculation:
 
     # --- 1. propose --------------------------------------------------------------------------
     def propose(self, running: list, max_num_batched_tokens: int) -> None:
-        """Give each decoding request (not guided; its pending token is its only uncomputed one)
-        its drafts for the next step, as many as the policy allows."""
+        """Give each decoding request (its pending token is its only uncomputed one; not one that
+        jumps forward, whose forced runs would land between the drafts) its drafts for the next
+        step, as many as the policy allows. A guided request's drafts end at the first one its
+        grammar forbids (guided_drafts)."""
         self._release_finished()
-        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1 and r.guide is None]
+        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1
+                    and (r.guide is None or not r.guide.jump_forward)]
         for r in running:
             r.spec_token_ids, r.spec_probs = [], None
         if not decoding:
@@ -83,6 +86,8 @@ class EngineSpeculation:
         for r, k in zip(decoding, ks):
             if k > 0:
                 tokens, q = self._drafter(r).propose(r.all_token_ids, k, r.params, r.generator)
+                if r.guide is not None:
+                    tokens, q = guided_drafts(r.guide, list(tokens), q)
                 r.spec_token_ids, r.spec_probs = list(tokens), q
         self.draft_seconds += time.perf_counter() - t0
 
@@ -117,6 +122,8 @@ class EngineSpeculation:
         """logits (1 + k, V) of the pending token and the k drafts -> the 1 + a tokens to append
         and a, the drafts accepted. Updates the statistics and the proposer's own cache."""
         drafts = r.spec_token_ids
+        if r.guide is not None:
+            logits = guided_rows(r.guide, drafts, logits)
         tokens, accepted = verify(drafts, r.spec_probs, logits, r.params, r.generator)
         r.num_accepted += accepted
         r.num_rejections += int(accepted < len(drafts))
@@ -133,3 +140,32 @@ class EngineSpeculation:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
+
+# --- speculation with structured output ----------------------------------------------------------
+
+def guided_drafts(guide, drafts: list[int], q):
+    """Drafts cut where the request's grammar forbids one. With a deterministic proposal (q None:
+    n-gram, greedy draft model) the forbidden draft goes too: the target would reject it for sure
+    and sample from its own masked distribution, which is what happens without it. A sampled draft
+    keeps it: rejection sampling must then draw from the residual max(0, p - q), not from p."""
+    automaton, state = guide.automaton, guide.state
+    for j, token in enumerate(drafts):
+        if not automaton.mask(state)[token]:
+            keep = j if q is None else j + 1
+            return drafts[:keep], (None if q is None else q[:keep])
+        state = automaton.next_state(state, token)
+    return drafts, q
+
+
+def guided_rows(guide, drafts: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """logits (1 + k, V) -> the same rows masked by the grammar state each one continues: row i
+    follows the pending token and drafts[:i]. Past a forbidden draft the rows are never used (it is
+    rejected for sure), so they keep the last state's mask."""
+    automaton, state = guide.automaton, guide.state
+    rows = []
+    for i in range(len(drafts) + 1):
+        rows.append(logits[i].masked_fill(~automaton.mask(state).to(logits.device), float("-inf")))
+        if i < len(drafts):
+            nxt = automaton.next_state(state, drafts[i])
+            state = state if nxt == automaton.dead else nxt
+    return torch.stack(rows)                                                   # (1 + k, V)

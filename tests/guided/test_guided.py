@@ -255,9 +255,6 @@ def test_bad_constraint_fails_before_any_token():
     assert not llm.engine.has_unfinished()
     with pytest.raises(ValueError, match="jump_forward needs a tokenizer with encode"):
         llm.generate(PROMPTS, SamplingParams(guided_decoding=GuidedDecodingParams(regex="a", jump_forward=True)))
-    spec = tiny_llm(speculative_method="ngram")
-    with pytest.raises(ValueError, match="speculative"):
-        spec.generate(PROMPTS, SamplingParams(guided_decoding=GuidedDecodingParams(regex="a")), use_tqdm=False)
 
 
 def test_a_grammar_the_vocabulary_cannot_spell_is_a_clear_error():

@@ -145,6 +145,21 @@ def test_every_corpus_schema_generates_documents_that_validate(small_llm):
     assert stopped >= len(names) // 2
 
 
+def test_json_with_speculative_decoding_is_token_identical(small_llm, smollm2_path):
+    """Drafts checked against the schema's grammar and verified with masked rows: n-gram drafts
+    (the keys repeat) give exactly plain guided greedy's tokens, and some of them are accepted."""
+    spec = LLM(model=str(smollm2_path), dtype="float32", device="cpu", max_model_len=512, num_kv_blocks=96,
+               speculative_method="ngram", num_speculative_tokens=4, speculative_policy="always")
+    _, schema = SUITE[1]                                   # a book: nested keys, an array of enums
+    ps = prompts(small_llm)[1:2]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, guided_decoding=GuidedDecodingParams(json=schema))
+    want = small_llm.generate(ps, params, use_tqdm=False)[0].outputs[0]
+    got = spec.generate(ps, params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    jsonschema.validate(json.loads(got.text), schema)
+    assert spec.engine.speculation.accepted > 0
+
+
 def test_cut_by_max_tokens_is_a_valid_prefix(small_llm):
     """finish_reason 'length' and the text is a prefix of some valid document: the DFA is not dead."""
     _, schema = SUITE[1]
