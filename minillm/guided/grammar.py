@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .regex import CLASS_ESCAPES, DFA, MAX_REPEAT, _Parser, compile_tree, negate
+from .regex import CLASS_ESCAPES, DFA, MAX_REPEAT, _Parser, compile_tree, merge, negate
 from .utf8 import MAX_CODE_POINT
 
 START = "root"
@@ -208,18 +208,8 @@ class _EBNF(_Parser):
         self.i += 1
         if not ranges and not negated:
             self.error("empty character class")
-        ranges = _merge(ranges)
+        ranges = merge(ranges)
         return negate(ranges) if negated else ranges
-
-
-def _merge(ranges) -> tuple:
-    out = []
-    for lo, hi in sorted(ranges):
-        if out and lo <= out[-1][1] + 1:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return tuple(out)
 
 
 def parse_grammar(text: str) -> dict[str, tuple]:

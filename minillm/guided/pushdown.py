@@ -228,6 +228,10 @@ class PushdownAutomaton:
             self._masks.popitem(last=False)
         return m
 
+    def clear_mask_cache(self) -> None:
+        """Forget the per-configuration masks (the frame masks stay): what a step costs without them."""
+        self._masks.clear()
+
     def precompute(self) -> None:
         """Every frame's mask now rather than on first use (what xgrammar does at compile time)."""
         some_caller = self._node(0, self.rule_start[0], ROOT)

@@ -89,7 +89,7 @@ def _time_ours(pda, docs, clear_configs: bool) -> list[float]:
         config = pda.start
         for t in ids:
             if clear_configs:
-                pda._masks.clear()
+                pda.clear_mask_cache()
             t0 = time.perf_counter()
             mask = pda.mask(config)
             config = pda.next_state(config, t)
