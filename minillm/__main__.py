@@ -70,8 +70,9 @@ def _serve(args) -> None:
               enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
               kv_cache_dtype=args.kv_cache_dtype, prefix_cache=args.prefix_cache, quantization=args.quantization,
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-              expert_parallel_size=args.expert_parallel_size, speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
-              speculative_policy=args.speculative_policy)
+              expert_parallel_size=args.expert_parallel_size, speculative_method=args.speculative_method,
+              num_speculative_tokens=args.num_speculative_tokens, speculative_policy=args.speculative_policy,
+              speculative_model=args.speculative_model)
     name = args.served_model_name or args.model
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI-compatible)", flush=True)
     limits = {key: getattr(args, key) for key in ("max_waiting", "max_body_bytes", "stall_timeout_s")
@@ -155,9 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) | int8 | fp8")
     s.add_argument("--quantization", default=None,
                    help="quantise the weights at start-up (lesson 04): int8 | int4 | nf4 | gptq | awq | w8a8 | fp8")
-    s.add_argument("--speculative-method", default=None, choices=("ngram", "draft", "layerskip"),
+    s.add_argument("--speculative-method", default=None, choices=("ngram", "draft", "layerskip", "eagle"),
                    help="verify draft tokens inside the batch (lesson 08)")
     s.add_argument("--num-speculative-tokens", type=int, default=5, help="drafts per request and step at most")
+    s.add_argument("--speculative-model", default=None,
+                   help="eagle: the trained head's file (default: the one `bench eagle` saves)")
     s.add_argument("--speculative-policy", default="adaptive", choices=("adaptive", "always"),
                    help="adaptive: only the drafts that pay at the step's batch size")
     s.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or os.environ.get("MINILLM_API_KEY"),

@@ -82,14 +82,18 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str | None = None                   # None: no drafts; "ngram" or "draft" (minillm/speculative/core.py)
+    method: str | None = None                   # None: no drafts; one of speculative.core.ENGINE_METHODS
     num_speculative_tokens: int = 5
     policy: str = "adaptive"                    # "adaptive": as many drafts as pay at the batch; "always": k
+    model: str | None = None                    # "eagle": the head's file (None: eagle.default_head_path())
 
     def __post_init__(self):
+        if self.model is not None and self.method != "eagle":
+            raise ValueError(f"speculative_model = {self.model!r} with speculative_method = {self.method!r}: only "
+                             f"'eagle' reads a file (its trained head); leave speculative_model out")
         if self.method is not None:
-            from minillm.speculative.core import check_args, check_policy
-            check_args(self.method, self.num_speculative_tokens)
+            from minillm.speculative.core import ENGINE_METHODS, check_args, check_policy
+            check_args(self.method, self.num_speculative_tokens, ENGINE_METHODS)
             check_policy(self.policy)
 
 
@@ -145,7 +149,7 @@ class RunConfig:
 GROUPS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig, "run": RunConfig}
 # LLM(...)'s speculative keywords carry vLLM's prefix; the dataclass fields drop it
 SPECULATIVE_KEYWORDS = {"speculative_method": "method", "num_speculative_tokens": "num_speculative_tokens",
-                        "speculative_policy": "policy"}
+                        "speculative_policy": "policy", "speculative_model": "model"}
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,8 @@ class LLM:
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
                  kv_cache_dtype: str = "auto", prefix_cache: str = "hash", tokenizer=None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1,
-                 speculative_policy: str = "adaptive", enforce_eager: bool = False, tune_kernels: bool = True):
+                 speculative_policy: str = "adaptive", speculative_model: str | None = None,
+                 enforce_eager: bool = False, tune_kernels: bool = True):
         """Every keyword but model and tokenizer goes into one EngineConfig (minillm/config.py),
         validated there before the model loads: llm.engine_config.
         model: "smollm2", a .gguf path or an HF folder; or an already-built minillm Llama
@@ -67,6 +68,8 @@ class LLM:
         speculative_method: drafts are proposed and verified inside the engine's steps, for one request or many;
         speculative_policy "adaptive" gives each request as many drafts as pay at the step's batch
         size (minillm/speculative/engine.py), "always" num_speculative_tokens every step.
+        speculative_model: with speculative_method="eagle", the trained head's file (default: the one
+        `python -m minillm bench eagle` saves for SmolLM2; speculative/eagle.py).
         enforce_eager: False (vLLM's default) replays a CUDA graph for every decode-only step on a GPU
         (minillm/model/cuda_graphs.py); True runs every step op by op.
         tune_kernels: building the engine times the CPU GEMM libraries per weight shape once
@@ -83,7 +86,7 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
             kv_cache_dtype=kv_cache_dtype, prefix_cache=prefix_cache, tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size, expert_parallel_size=expert_parallel_size,
-            speculative_policy=speculative_policy,
+            speculative_policy=speculative_policy, speculative_model=speculative_model,
             enforce_eager=enforce_eager, tune_kernels=tune_kernels)
         self.parallel = None
         self.device = resolve_device(device)

@@ -121,8 +121,14 @@ class Engine:
         self.kv.copy_blocks(plan.block_copies)
         batch, wants, spans = self._prepare(plan)
         log = self._step_counts(plan)                                      # before the update moves the counts
-        logits = self.runner.forward(batch)                                # (K, V)
+        starts, lengths = [req.num_computed_tokens for req in plan.requests], list(plan.num_new_tokens)
+        if batch.feature_rows is None:
+            logits = self.runner.forward(batch)                            # (K, V)
+        else:                                                              # NEW: EAGLE drafts read the features
+            logits, features = self.runner.forward_with_features(batch)    # (K, V), (F, dim)
         verified, events = self._verify(plan, spans, logits, log)
+        if batch.feature_rows is not None:                                 # the verified positions' features
+            self.speculation.take_features(plan, starts, lengths, features)
         events += self._sample_and_update(plan, wants, spans, logits, verified)
         self._log(log, plan, verified, t0)
         return events
@@ -143,8 +149,9 @@ class Engine:
             rows = n if want == "all" else int(want == "last")
             spans.append((row, row + rows))
             row += rows
+        features = None if self.speculation is None else self.speculation.wants_features(plan.requests)
         return (build_batch(runs, wants, bm.block_size, self.kv.k.device, self.decode_group_cost,
-                            self.llm.config.sliding_window), wants, spans)
+                            self.llm.config.sliding_window, features), wants, spans)
 
     def _verify(self, plan, spans, logits, log) -> tuple[dict, list]:
         """NEW: speculative, 3. verify and 4. roll back. -> {id(req): (the target's own token, its
@@ -158,6 +165,8 @@ class Engine:
             log["num_draft_tokens"] += len(req.spec_token_ids)
             tokens, a = self.speculation.verify(req, logits[lo:hi])
             log["num_accepted_tokens"] += a
+            for j in range(a):                                             # acceptance by draft position
+                log["num_accepted_per_position"][j] += 1
             plan.num_new_tokens[i] = 1 + a                                 # the rejected drafts roll back
             self.block_manager.truncate(req, start + 1 + a)
             for j in range(a):                                             # the accepted drafts are output now
@@ -201,7 +210,8 @@ class Engine:
                       if r.num_computed_tokens == r.num_tokens - 1 and r.num_tokens > len(r.prompt_token_ids))
         return {"num_seqs": len(plan.requests), "num_tokens": plan.num_batched_tokens,   # drafts included
                 "num_decodes": decodes, "num_preempted": len(plan.preempted),
-                "num_draft_tokens": 0, "num_accepted_tokens": 0}
+                "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                "num_accepted_per_position": [0] * (0 if self.speculation is None else self.speculation.k)}
 
     def _log(self, log: dict, plan, verified: dict, t0: float) -> None:
         seconds = time.perf_counter() - t0

@@ -93,6 +93,10 @@ class _Metrics:
         self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
         self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
                                             registry=r)
+        # the j-th draft (0-based) of a verification was accepted: the acceptance curve by draft position
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted draft tokens by their position among the drafts", ["position"],
+                                             registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", buckets=self.TIME_BUCKETS,
@@ -298,6 +302,8 @@ class EngineWorker:
             self.metrics.spec_drafts.inc(log_entry["num_verified_requests"])
             self.metrics.spec_draft_tokens.inc(log_entry["num_draft_tokens"])
             self.metrics.spec_accepted_tokens.inc(log_entry["num_accepted_tokens"])
+            for position, count in enumerate(log_entry["num_accepted_per_position"]):
+                self.metrics.spec_accepted_per_pos.labels(str(position)).inc(count)
         # with speculative decoding one request may get several tokens (events) in a step: only its
         # last event carries the finish
         last = {req.request_id: i for i, (req, _) in enumerate(events)}

@@ -192,21 +192,25 @@ class PagedBatch:
     prefills: list                 # [attention.Run] with blocks (1, n) int32: runs attended one by one
     grouped_runs: list             # [attention.Run] runs of T > 1 inside decode_groups (speculative drafts)
     window: int | None = None      # the sliding window the decode groups' masks apply (None: full attention)
+    feature_rows: torch.Tensor | None = None   # (F,) rows whose top-layer features are returned too (EAGLE drafts)
 
 
 def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_logits: list[str],
                 block_size: int, device, group_cost: int | None = GROUP_COST_BLOCKS,
-                window: int | None = None) -> PagedBatch:
+                window: int | None = None, want_features: list[bool] | None = None) -> PagedBatch:
     """runs: per request (new token ids, start position, block table, slots of the new tokens).
     want_logits per run: "last" (the last row), "all" (every row) or "none".
+    want_features per run: every row's top-layer feature is returned too (forward_with_features).
     group_cost None: no decode groups (the Triton or C kernel takes every length in one call).
     window: the model's sliding window, which the decode groups' masks apply."""
-    tokens, positions, slots, logits_rows = [], [], [], []
+    tokens, positions, slots, logits_rows, feature_rows = [], [], [], [], []
     dec_rows, dec_lens, dec_tables, prefills = [], [], [], []
     short = []                                       # (row, T, start, table): runs for the CPU groups
     row = 0
-    for (new, start, table, new_slots), want in zip(runs, want_logits):
+    for i, ((new, start, table, new_slots), want) in enumerate(zip(runs, want_logits)):
         T = len(new)
+        if want_features is not None and want_features[i]:
+            feature_rows += range(row, row + T)
         tokens += new
         positions += range(start, start + T)
         slots += new_slots
@@ -233,7 +237,8 @@ def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_lo
                       torch.tensor(slots, **as_long), torch.tensor(logits_rows, **as_long),
                       torch.tensor(dec_rows, **as_long), block_table_tensor(dec_tables, device),
                       torch.tensor(dec_lens, dtype=torch.int32, device=device), groups, prefills,
-                      [r for r in short if r.length > 1], window)
+                      [r for r in short if r.length > 1], window,
+                      torch.tensor(feature_rows, **as_long) if feature_rows else None)
 
 
 def _decode_group(members: list[Run], block_size: int, device, window: int | None = None) -> DecodeGroup:
@@ -456,7 +461,17 @@ class ModelRunner:
     @torch.no_grad()
     def forward_eager(self, batch: PagedBatch) -> torch.Tensor:
         """-> logits (K, V) of batch.logits_rows, op by op (a CUDA graph records this)."""
+        return self._logits(self.forward_layers(self.model.embed(batch.tokens), batch), batch)
+
+    @torch.no_grad()
+    def forward_with_features(self, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """NEW: EAGLE -> logits (K, V) of batch.logits_rows and the features (F, dim) of batch.feature_rows: the
+        hidden states after the final norm, what the LM head reads and an EAGLE head drafts from."""
         h = self.forward_layers(self.model.embed(batch.tokens), batch)   # (N, dim)
+        return self._logits(h, batch), self.model.norm(h[batch.feature_rows])
+
+    def _logits(self, h: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        """h (N, dim) before the final norm -> logits (K, V) of batch.logits_rows."""
         if self.packed_head is not None:                                 # NEW: prepacked
             return prepacked.lm_head(self.packed_head, self.model, h[batch.logits_rows])
         return tied_logits(self.model, h[batch.logits_rows])             # (K, V)

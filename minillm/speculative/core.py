@@ -49,7 +49,8 @@ from minillm.model.positions import RopeTable
 from minillm.model.runner import GROUP_COST_BLOCKS, ModelRunner, PagedKVCache, build_batch
 from minillm.model.transforms import fuse_projections, is_fused
 
-METHODS = ("draft", "layerskip", "ngram")
+METHODS = ("draft", "layerskip", "ngram")         # proposers that need nothing but the tokens (the loop runs these)
+ENGINE_METHODS = METHODS + ("eagle",)            # and the engine's: EAGLE reads the features its runner returns
 MAX_SPECULATIVE_TOKENS = 16
 POLICIES = ("adaptive", "always")   # how many drafts a round gets: as many as pay, or always k
 COST_WINDOW = 64                    # recent steps the cost model is fitted to
@@ -434,10 +435,10 @@ def estimate_alpha(accepted: int, rejections: int, prior: float = 0.5, weight: f
     return (accepted + weight * prior) / (accepted + rejections + weight)
 
 
-def check_args(method: str, k: int) -> None:
-    """Validate LLM(speculative_method=..., num_speculative_tokens=...)."""
-    if method not in METHODS:
-        raise ValueError(f"speculative_method = {method!r} is unknown; allowed: {', '.join(map(repr, METHODS))}")
+def check_args(method: str, k: int, allowed: tuple = METHODS) -> None:
+    """Validate LLM(speculative_method=..., num_speculative_tokens=...) (allowed: ENGINE_METHODS there)."""
+    if method not in allowed:
+        raise ValueError(f"speculative_method = {method!r} is unknown; allowed: {', '.join(map(repr, allowed))}")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens = {k!r} is invalid; allowed: an integer in 1..{MAX_SPECULATIVE_TOKENS}")
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minillm.engine.sampling import SamplingParams, filtered_probs
 from minillm.model.llama import Block, Llama, naive_attention_fp32
 from minillm.model.positions import rope_cos_sin
 
@@ -92,6 +93,15 @@ class EagleHead(nn.Module):
         """(..., dim) -> (..., V_d) over the draft vocabulary."""
         return features @ self.embed.weight[self.vocab].t()
 
+    def step(self, cache: "HeadCache", features: torch.Tensor, next_tokens: list[int]) -> torch.Tensor:
+        """Incremental forward: features (T, dim) at positions cache.end .. cache.end + T - 1 and the token
+        after each -> predicted next features (T, dim); their keys and values join the cache."""
+        x = self.fc(torch.cat([self.embed(torch.tensor(next_tokens)), features], dim=-1))[None]   # (1, T, dim)
+        T = x.shape[1]
+        cos, sin = rope_cos_sin(torch.arange(cache.end, cache.end + T), self.cfg.head_dim, self.cfg.rope_theta,
+                                self.cfg.rope_scaling)
+        return self.block(x, cos, sin, cache.attend)[0]                     # (T, dim)
+
     @torch.no_grad()
     def propose(self, features: torch.Tensor, tokens: list[int], k: int) -> list[int]:
         """Greedy drafts: features (L, dim) of the context's positions 0 .. L-1 (the target's), tokens the L + 1
@@ -106,6 +116,90 @@ class EagleHead(nn.Module):
             f = torch.cat([f, pred], dim=1)
             nxt = torch.cat([nxt, torch.tensor([[token]])], dim=1)
         return drafts
+
+
+class HeadCache:
+    """The head's own KV cache for one sequence: keys and values of positions base .. end - 1, contiguous (the head
+    is one layer; a paged pool would buy nothing here). Rolled back by cutting."""
+
+    def __init__(self, base: int = 0):
+        self.base, self.k, self.v = base, None, None                     # (1, Hkv, end - base, hd) each
+
+    @property
+    def end(self) -> int:
+        return self.base + (0 if self.k is None else self.k.shape[2])
+
+    def truncate(self, end: int) -> None:
+        """Forget positions >= end."""
+        if self.k is not None and end < self.end:
+            self.k, self.v = self.k[:, :, :max(0, end - self.base)], self.v[:, :, :max(0, end - self.base)]
+
+    def attend(self, q, k, v, causal: bool = True, window: int | None = None):
+        """Block's attention function: the new keys join the cached ones, the queries are the last T."""
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return naive_attention_fp32(q, self.k, self.v, causal, window)
+
+
+class EagleDraft:
+    """One request's EAGLE proposer in the engine. The target's runner hands it the features of every position
+    it computes (add_features); propose() feeds the head the ones it has not seen, each with the token that
+    followed it, then drafts k tokens on its own predicted features. Those k - 1 predicted positions leave the
+    head's cache again: once verified, the target's real features replace them (EAGLE drafts from real features
+    wherever it has them)."""
+
+    def __init__(self, head: EagleHead):
+        self.head = head
+        self.release()
+
+    def add_features(self, start: int, features: torch.Tensor) -> None:
+        """features (n, dim): the target's, at positions start .. start + n - 1 (verified tokens only). The real
+        features known are the cache's positions base .. end - 1, then `pending` from end on."""
+        features = features.float()
+        have = self.cache.end + len(self.pending)
+        if start < self.cache.base or start > have:   # a gap (a prefix-cache hit never computed): start there
+            self.cache, self.pending, self.last_pred = HeadCache(start), features, None
+        elif start < self.cache.end:                  # computed again (a preempted request's recompute)
+            self.cache.truncate(start)
+            self.pending, self.last_pred = features, None
+        else:
+            self.pending = torch.cat([self.pending[:start - self.cache.end], features])
+
+    @torch.no_grad()
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator) -> tuple[list[int], torch.Tensor | None]:
+        """k draft tokens after context (whose last token's feature is not computed yet) and q (k, V) they
+        were drawn from (None when greedy)."""
+        end = len(context) - 1                                           # features exist for 0 .. end - 1
+        fed = self.cache.end
+        if k == 0 or end <= self.cache.base or fed + len(self.pending) < end or (fed == end and self.last_pred is None):
+            return [], None
+        if fed < end:                                                    # feed the real features not seen yet
+            f, self.pending = self.pending[:end - fed], self.pending[end - fed:]      # (T, dim), T >= 1
+            self.last_pred = self.head.step(self.cache, f, context[fed + 1:end + 1])[-1:]   # (1, dim) f_hat at end
+        pred, tokens, qs = self.last_pred, [], []
+        vocab = self.head.vocab
+        for i in range(k):
+            logits = self.head.draft_logits(pred[0])                     # (V_d,)
+            if params.greedy:
+                token = int(vocab[logits.argmax()])
+            else:
+                full = torch.full((self.head.cfg.vocab_size,), float("-inf"))
+                full[vocab] = logits
+                q = filtered_probs(full, params)                         # (V,) zero outside the draft vocabulary
+                token = int(torch.multinomial(q, 1, generator=generator))
+                qs.append(q)
+            tokens.append(token)
+            if i + 1 < k:
+                pred = self.head.step(self.cache, pred, [token])         # (1, dim): the next predicted feature
+        self.cache.truncate(end)                                         # predicted positions leave the cache
+        return tokens, (torch.stack(qs) if qs else None)
+
+    def rollback(self, length: int) -> None:
+        """Nothing to forget: the cache holds real features only, and add_features brings the verified ones."""
+
+    def release(self) -> None:
+        self.cache, self.pending, self.last_pred = HeadCache(), torch.zeros(0, self.head.cfg.dim), None
 
 
 def draft_vocabulary(sequences: list[list[int]], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
@@ -198,9 +292,21 @@ def save_head(head: EagleHead, path) -> None:
                 "config": head.cfg.to_dict()}, path)
 
 
-def load_head(target: Llama, path) -> EagleHead:
-    """A head saved by save_head, for this target (its shape must match the one it was trained on)."""
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+def default_head_path():
+    """Where bench eagle saves SmolLM2's head, and where the engine looks without speculative_model."""
+    from minillm.loading.loader import cache_dir
+    return cache_dir() / "eagle-smollm2-135m.pt"
+
+
+def load_head(target: Llama, path=None) -> EagleHead:
+    """A head saved by save_head (path None: default_head_path()), for this target (its shape must match the one
+    it was trained on)."""
+    path = default_head_path() if path is None else path
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"speculative_method='eagle' needs a trained head; there is none at {path}: train one "
+                         f"(python -m minillm bench eagle) or pass speculative_model=PATH") from None
     if saved["config"] != target.cfg.to_dict():
         raise ValueError(f"{path}: this head was trained for another model shape; train one for this target "
                          f"(python -m minillm bench eagle)")

@@ -38,6 +38,7 @@ import torch
 
 from .core import (DraftPool, ModelDraft, NgramDraft, StepCostModel, draft_model, estimate_alpha,
                    plan_draft_lengths, verify)
+from .eagle import EagleDraft, load_head
 
 
 class EngineSpeculation:
@@ -53,9 +54,11 @@ class EngineSpeculation:
         self.llm, self.method, self.k, self.policy = llm, config.method, config.num_speculative_tokens, config.policy
         self.cost = StepCostModel()
         self.ngram = NgramDraft() if self.method == "ngram" else None
+        # NEW: EAGLE, a head on the target's features (eagle.py), each request its own small cache of the head
+        self.head = load_head(llm.model, config.model) if self.method == "eagle" else None
         # A draft model ("draft", "layerskip") runs through the production forward: one DraftPool (a
         # ModelRunner over a paged cache of its own) shared by every request, each holding its own blocks.
-        self.pool = None if self.method == "ngram" else DraftPool(
+        self.pool = None if self.method in ("ngram", "eagle") else DraftPool(
             draft_model(llm.model, self.method), llm.max_model_len + self.k + 1,
             attention_backend=llm.attention_backend)
         self.drafting: list = []                # requests whose ModelDraft holds blocks of the pool
@@ -99,12 +102,30 @@ class EngineSpeculation:
     def _drafter(self, r):
         if self.ngram is not None:
             return self.ngram
+        if self.head is not None:
+            if r.drafter is None:
+                r.drafter = EagleDraft(self.head)
+            return r.drafter
         if r.drafter is None:
             r.drafter = ModelDraft(self.pool.model, self.pool)
             room = min(self.llm.max_model_len, len(r.prompt_token_ids) + r.params.max_tokens) + self.k + 1
             r.drafter.reset(room)
             self.drafting.append(r)
         return r.drafter
+
+    def wants_features(self, requests: list) -> list[bool] | None:
+        """Which of the step's runs return their top-layer features (build_batch): all, for an EAGLE head."""
+        return None if self.head is None else [True] * len(requests)
+
+    def take_features(self, plan, starts: list[int], lengths: list[int], features: torch.Tensor) -> None:
+        """After verification: each request's EAGLE drafter gets the features (F, dim) of its run's positions
+        (starts, lengths: the runs as scheduled) that stand: plan.num_new_tokens, after verification, ends a
+        run at its last accepted draft."""
+        row = 0
+        for req, start, n_valid, n_run in zip(plan.requests, starts, plan.num_new_tokens, lengths):
+            if not req.finished:
+                self._drafter(req).add_features(start, features[row:row + n_valid])
+            row += n_run
 
     def _release_finished(self) -> None:
         """Requests that finished (or were aborted) since the last step give their draft blocks back."""

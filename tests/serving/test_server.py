@@ -241,3 +241,6 @@ def test_speculative_server_equals_offline_and_reports_drafts(smollm2_path, offl
         metrics = {line.split()[0]: float(line.split()[1]) for line in lines if line.startswith("vllm:spec_decode")}
     assert metrics["vllm:spec_decode_num_draft_tokens_total"] == spec.engine.speculation.drafted > 0
     assert metrics["vllm:spec_decode_num_accepted_tokens_total"] == spec.engine.speculation.accepted > 0
+    by_position = [metrics[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"}}'] for j in range(4)]
+    assert sum(by_position) == spec.engine.speculation.accepted
+    assert by_position == sorted(by_position, reverse=True) and by_position[0] > 0   # draft j needs drafts < j

@@ -18,9 +18,8 @@ import torch
 
 from minillm.engine.sampling import SamplingParams
 from minillm.evaluate import calibration_text
-from minillm.loading.loader import cache_dir
 from minillm.speculative.core import NgramDraft, draft_model
-from minillm.speculative.eagle import HeadConfig, save_head, target_features, train_head
+from minillm.speculative.eagle import HeadConfig, default_head_path, save_head, target_features, train_head
 from minillm.stages.kv_cache import generate_greedy
 from .common import document
 from .speculative import BATCH1_PROMPTS, PROMPTS
@@ -32,9 +31,14 @@ TOPICS = ["the ocean", "volcanoes", "a city at night", "learning to cook", "the 
           "bees", "a rainy day", "friendship", "trains", "chess", "mountains", "recycling", "the internet",
           "dinosaurs", "music", "gardening", "winter", "electricity", "birds", "a library", "robots", "coffee",
           "the desert", "rivers", "photography", "football", "clouds", "computers", "forests", "bicycles", "maps",
-          "glass", "sleep", "airports", "honey", "bridges", "the printing press", "penguins", "tea"]
+          "glass", "sleep", "airports", "honey", "bridges", "the printing press", "penguins", "tea", "the moon",
+          "earthquakes", "a farm", "saving money", "the human heart", "rainbows", "ants", "a job interview", "knitting",
+          "the Roman empire", "solar panels", "whales", "a birthday party", "mathematics", "the immune system",
+          "paper", "a lighthouse", "elections", "spiders", "the weather", "painting", "the stock market", "camping",
+          "vaccines", "castles", "a hospital", "wind", "the post office", "video games", "salt"]
 TEMPLATES = ["Write a short story about {}.", "Explain {} to a child.", "Give three facts about {}.",
-             "Describe {} in a few sentences.", "Write a Python function related to {}, with a docstring."]
+             "Describe {} in a few sentences.", "Write a Python function related to {}, with a docstring.",
+             "What are the pros and cons of {}?"]
 
 
 def training_prompts(quick: bool) -> list[str]:
@@ -113,12 +117,12 @@ def run(quick: bool) -> dict:
 
     llm = LLM(model="smollm2", dtype="float32", device="cpu")
     t0 = time.perf_counter()
-    sequences = self_generated(llm, training_prompts(quick), continuation_prompts(llm, 16 if quick else 400),
+    sequences = self_generated(llm, training_prompts(quick), continuation_prompts(llm, 16 if quick else 800),
                                64 if quick else 160)
     generate_s = time.perf_counter() - t0
-    config = HeadConfig(steps=20 if quick else 800, batch=4)
+    config = HeadConfig(steps=20 if quick else 1000, batch=6)
     head, curve = train_head(llm.model, sequences, config)
-    path = cache_dir() / "eagle-smollm2-135m.pt"
+    path = default_head_path()
     save_head(head, path)
     results = [{"part": "train", **row} for row in curve] + acceptance(llm, head, quick)
     by_draft = {}

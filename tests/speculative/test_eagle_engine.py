@@ -1,0 +1,141 @@
+"""EAGLE drafts inside the engine (speculative_method="eagle"): the runner returns the target's features, each
+request's EagleDraft feeds them to the head incrementally and drafts on its own predictions.
+
+Exactness as for every method: greedy tokens identical to the engine without speculation (under batching,
+preemption and prefix-cache hits), sampled tokens distributed as the target's; and the incremental head cache
+drafts exactly what the head drafts from scratch over the whole context."""
+import pytest
+import torch
+
+from helpers import CharTokenizer, chi2_pvalue, random_prompts
+from minillm import LLM, SamplingParams
+from minillm.model.llama import random_model, tiny_config
+from minillm.speculative.eagle import EagleDraft, HeadConfig, save_head, target_features, train_head
+from minillm.stages.kv_cache import generate_greedy
+
+LENGTHS = [1, 5, 17, 33, 64, 3]
+MAX_TOKENS = [5, 20, 33, 12, 40, 16]
+
+
+def trained_head(target, vocab: int, steps: int, seed: int = 0):
+    prompts = [torch.randint(0, vocab, (6,), generator=torch.Generator().manual_seed(seed + i)).tolist()
+               for i in range(24)]
+    sequences = [p + out for p, out in zip(prompts, generate_greedy(target, prompts, 40))]
+    head, _ = train_head(target, sequences, HeadConfig(draft_vocab=min(128, vocab), steps=steps, batch=4,
+                                                       seq_len=32, lr=3e-3))
+    return head
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    target = random_model(tiny_config(tie_embeddings=True), seed=0)
+    head = trained_head(target, 256, 80)
+    path = tmp_path_factory.mktemp("eagle") / "head.pt"
+    save_head(head, path)
+    return target, head, str(path)
+
+
+def make_llm(model, **kwargs):
+    return LLM(model=model, tokenizer=CharTokenizer(), device="cpu", max_model_len=256, **kwargs)
+
+
+def token_ids(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def greedy_workload(target, seed=0):
+    """Prompts the target continues greedily: the head was trained on such text, so it agrees often."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(LENGTHS, target.cfg.vocab_size, seed=seed)]
+    return prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+
+
+def assert_drafts_were_verified(llm):
+    spec = llm.engine.speculation
+    assert spec.method == "eagle" and spec.drafted > 0 and 0 < spec.accepted <= spec.drafted
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks   # no leak
+
+
+def test_greedy_equals_the_engine_without_speculation(setup):
+    target, _, path = setup
+    prompts, params = greedy_workload(target)
+    expected = token_ids(make_llm(target), prompts, params)
+    spec = make_llm(target, speculative_method="eagle", speculative_model=path, num_speculative_tokens=4,
+                    speculative_policy="always")
+    assert token_ids(spec, prompts, params) == expected
+    assert_drafts_were_verified(spec)
+    assert spec.engine.step_log[0]["num_seqs"] > 1                      # they really shared steps
+
+
+def test_greedy_equal_under_preemption_prefix_hits_and_a_tight_budget(setup):
+    """16 blocks of 8 tokens force preemption (the head's cache is rebuilt from recomputed features); a shared
+    48-token head hits the prefix cache (positions never computed: the head starts after them)."""
+    target, _, path = setup
+    head = random_prompts([48], target.cfg.vocab_size, seed=3)[0]
+    prompts = [{"prompt_token_ids": head + t} for t in random_prompts([3, 9, 1, 20, 5], target.cfg.vocab_size, seed=4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 12, 25, 8, 40)]
+    small = dict(block_size=8, num_kv_blocks=16, max_num_batched_tokens=48, max_model_len=120,
+                 enable_prefix_caching=True)
+    plain = LLM(model=target, tokenizer=CharTokenizer(), device="cpu", **small)
+    expected = token_ids(plain, prompts, params)
+    spec = LLM(model=target, tokenizer=CharTokenizer(), device="cpu", **small, speculative_method="eagle",
+               speculative_model=path, num_speculative_tokens=5, speculative_policy="always")
+    assert token_ids(spec, prompts, params) == expected
+    assert_drafts_were_verified(spec)
+    log = list(spec.engine.step_log)
+    assert sum(s["num_preempted"] for s in log) > 0
+    again = spec.generate(prompts[:2], params[:2], use_tqdm=False)     # again: now the prompts hit the cache
+    assert [o.outputs[0].token_ids for o in again] == expected[:2]
+    assert all(o.num_cached_tokens >= 48 for o in again)
+    assert spec.engine.block_manager.num_free_blocks == spec.engine.block_manager.num_blocks
+
+
+def test_the_incremental_cache_drafts_what_the_head_drafts_from_scratch(setup):
+    """Features handed over in pieces (a prompt, then verified runs), drafts proposed between them: the same
+    tokens as EagleHead.propose over the whole context at once."""
+    target, head, _ = setup
+    seq = random_prompts([10], 256, seed=7)[0]
+    seq = seq + generate_greedy(target, [seq], 30)[0]
+    feats = target_features(target, torch.tensor([seq]))[0]             # (L, dim)
+    draft, end = EagleDraft(head), 10
+    draft.add_features(0, feats[:end - 1])                              # the prompt's prefill: all but the last
+    params = SamplingParams(temperature=0.0)
+    for step in (1, 3, 1, 2, 4, 1):
+        tokens, q = draft.propose(seq[:end], 4, params, None)
+        assert q is None and tokens == head.propose(feats[:end - 1], seq[:end], 4)
+        draft.add_features(end - 1, feats[end - 1:end - 1 + step])     # the pending token and accepted drafts
+        end += step
+    again, _ = draft.propose(seq[:end], 3, params, None)                # no new features: the saved prediction
+    assert again == draft.propose(seq[:end], 3, params, None)[0] == head.propose(feats[:end - 1], seq[:end], 3)
+
+
+def test_sampled_tokens_are_distributed_as_the_target():
+    """T = 1 on a 16-token vocabulary with one EAGLE draft per step: the second token's distribution over 1500
+    seeds must match the exact marginal p(x2) = sum_x1 p(x1) p(x2 | x1) computed from the model."""
+    small = random_model(tiny_config(vocab_size=16, tie_embeddings=True), seed=1)
+    head = trained_head(small, 16, 30)
+    prompt = list(torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist())
+    with torch.no_grad():
+        p1 = small(torch.tensor([prompt]))[0, -1].softmax(-1)           # (V,)
+        after = small(torch.tensor([prompt + [x] for x in range(16)]))[:, -1].softmax(-1)   # (V, V) p(x2 | x1)
+    p2 = (p1[:, None] * after).sum(0)                                   # (V,)
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        save_head(head, f"{tmp}/head.pt")
+        spec = LLM(model=small, tokenizer=CharTokenizer(), device="cpu", max_model_len=64, max_num_seqs=256,
+                   speculative_method="eagle", speculative_model=f"{tmp}/head.pt", num_speculative_tokens=1,
+                   speculative_policy="always")
+        n = 1500
+        params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
+        outs = spec.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    second = torch.tensor([o.outputs[0].token_ids[1] for o in outs])
+    stats = spec.engine.speculation
+    assert stats.drafted >= n and 0 < stats.accepted < stats.drafted    # both branches ran
+    assert chi2_pvalue(torch.bincount(second, minlength=16), p2.double()) > 0.001
+
+
+def test_bad_arguments_are_clear_errors(setup, tmp_path):
+    target, _, _ = setup
+    with pytest.raises(ValueError, match="there is none at"):
+        make_llm(target, speculative_method="eagle", speculative_model=str(tmp_path / "missing.pt")).engine
+    with pytest.raises(ValueError, match="only 'eagle' reads a file"):
+        make_llm(target, speculative_method="ngram", speculative_model="head.pt")
