@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm.engine.sampling import SamplingParams, filtered_probs
-from minillm.model.llama import Block, Llama, naive_attention_fp32
+from minillm.model.llama import Block, Llama, naive_attention_fp32, sdpa_attention
 from minillm.model.positions import rope_cos_sin
 
 CLS_WEIGHT = 0.1          # EAGLE §3.2: L = L_reg + w_cls L_cls, w_cls = 0.1
@@ -79,6 +79,8 @@ class EagleHead(nn.Module):
         self.register_buffer("vocab", vocab.long())                   # (V_d,) draft token ids
         self.embed = target.embed                                     # shared, frozen
         self.embed.weight.requires_grad_(False)
+        # the LM head's draft rows, gathered once: a gather per draft would copy V_d x dim floats each time
+        self.register_buffer("lm_rows", target.embed.weight.detach()[self.vocab], persistent=False)   # (V_d, dim)
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """features (B, T, dim) at positions start .. start+T-1 and the tokens that followed each (B, T) ->
@@ -91,7 +93,7 @@ class EagleHead(nn.Module):
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """(..., dim) -> (..., V_d) over the draft vocabulary."""
-        return features @ self.embed.weight[self.vocab].t()
+        return features @ self.lm_rows.t()
 
     def step(self, cache: "HeadCache", features: torch.Tensor, next_tokens: list[int]) -> torch.Tensor:
         """Incremental forward: features (T, dim) at positions cache.end .. cache.end + T - 1 and the token
@@ -138,7 +140,7 @@ class HeadCache:
         """Block's attention function: the new keys join the cached ones, the queries are the last T."""
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        return naive_attention_fp32(q, self.k, self.v, causal, window)
+        return sdpa_attention(q, self.k, self.v, causal, window)        # fused, GQA without copying K/V
 
 
 class EagleDraft:

@@ -1,0 +1,108 @@
+"""Lesson 08: the EAGLE head inside the engine at batch 1, against plain decoding and every other draft.
+
+LLM.generate of one request (the engine, a batch of one), greedy, on the held-out prompts of bench eagle
+(none of them trained on) and the creative one sampled at T = 0.8. Modes run interleaved, a warm-up round
+then REPS timed rounds; each row is one prompt x mode with the median. Needs the head `bench eagle` saves.
+
+    plain             no drafts
+    eagle k=N         the trained head, N drafts every step
+    eagle adaptive    the head under the adaptive policy (speculative/engine.py), up to K_MAX drafts
+    ngram / draft / layerskip adaptive: the other proposers under the same policy
+
+Per row: tokens per second, speedup over plain, whether the tokens equal plain's, drafts proposed and
+accepted, the acceptance by draft position (vllm:spec_decode_num_accepted_tokens_per_pos over the
+verifications), and the drafter's own seconds per drafted token.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from minillm.engine.sampling import SamplingParams
+from .common import document
+from .eagle import held_out_prompts
+
+NAME = "eagle-engine"
+K_MAX = 6
+
+
+def modes(quick: bool) -> dict[str, dict]:
+    adaptive = dict(num_speculative_tokens=K_MAX)
+    out = {"plain": {},
+           "eagle k=3": dict(speculative_method="eagle", num_speculative_tokens=3, speculative_policy="always"),
+           "eagle adaptive": dict(speculative_method="eagle", **adaptive),
+           "ngram adaptive": dict(speculative_method="ngram", **adaptive)}
+    if not quick:
+        out["draft adaptive"] = dict(speculative_method="draft", **adaptive)
+        out["layerskip adaptive"] = dict(speculative_method="layerskip", **adaptive)
+    return out
+
+
+def workloads(quick: bool) -> list[tuple[str, str, float]]:
+    prompts = held_out_prompts()
+    rows = [(kind, text, 0.0) for kind, text in prompts.items()] + [("creative", prompts["creative"], 0.8)]
+    return rows[1:2] + rows[-1:] if quick else rows
+
+
+def _counts(llm) -> dict:
+    spec = llm.engine.speculation
+    if spec is None:
+        return {"steps": len(llm.engine.step_log)}
+    by_pos = [0] * spec.k
+    for entry in llm.engine.step_log:
+        for j, n in enumerate(entry["num_accepted_per_position"]):
+            by_pos[j] += n
+    return {"steps": len(llm.engine.step_log), "drafted": spec.drafted, "accepted": spec.accepted,
+            "verifications": spec.verify_runs, "draft_seconds": spec.draft_seconds, "by_position": by_pos}
+
+
+def _delta(after: dict, before: dict) -> dict:
+    out = {"target_calls": after["steps"] - before["steps"]}
+    if "drafted" in after:
+        v = after["verifications"] - before["verifications"]
+        drafted = after["drafted"] - before["drafted"]
+        out.update(drafted=drafted, accepted=after["accepted"] - before["accepted"], verifications=v,
+                   accepted_per_position=[(a - b) / v if v else 0.0
+                                          for a, b in zip(after["by_position"], before["by_position"])],
+                   draft_ms_per_token=1000 * (after["draft_seconds"] - before["draft_seconds"]) / drafted
+                   if drafted else None)
+    return out
+
+
+def run(quick: bool) -> dict:
+    from minillm import LLM
+
+    base = LLM(model="smollm2", dtype="float32", device="cpu")
+    tok = base.get_tokenizer()
+    max_tokens, reps = (24, 1) if quick else (96, 3)
+    llms = {mode: LLM(model=base.model, tokenizer=tok, max_model_len=base.max_model_len, **kw)
+            for mode, kw in modes(quick).items()}
+    rows = []
+    for kind, text, temperature in workloads(quick):
+        prompt = tok.apply_chat_template([{"role": "user", "content": text}])
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
+        times, outputs = {mode: [] for mode in llms}, {}
+        for rep in range(reps + 1):                            # rep 0: warm-up (compiles the shapes)
+            for mode, m in llms.items():
+                before = _counts(m)
+                t0 = time.perf_counter()
+                out = m.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+                seconds = time.perf_counter() - t0
+                if rep:
+                    times[mode].append(seconds)
+                    outputs[mode] = (out.token_ids, _delta(_counts(m), before))
+        plain = statistics.median(times["plain"])
+        for mode in llms:
+            tokens, counts = outputs[mode]
+            median = statistics.median(times[mode])
+            rows.append({"kind": kind, "temperature": temperature, "mode": mode, "tokens": len(tokens),
+                         "seconds": median, "all_seconds": times[mode], "tokens_per_s": len(tokens) / median,
+                         "speedup": plain / median, "same_tokens_as_plain": tokens == outputs["plain"][0], **counts})
+    summary = {"speedup": {f"{r['kind']} T={r['temperature']} {r['mode']}": round(r["speedup"], 3) for r in rows},
+               "greedy_tokens_equal_plain": all(r["same_tokens_as_plain"] for r in rows if r["temperature"] == 0),
+               "eagle_mean_accepted_per_position": {
+                   f"{r['kind']} T={r['temperature']}": [round(p, 3) for p in r["accepted_per_position"]]
+                   for r in rows if r["mode"] == "eagle adaptive"}}
+    config = {"max_tokens": max_tokens, "reps": reps, "k_max": K_MAX, "modes": list(llms), "dtype": "float32",
+              "note": "batch 1, LLM.generate, modes interleaved per round, medians of the timed rounds"}
+    return document(NAME, config, rows, summary)
