@@ -209,3 +209,44 @@ for name in ("speculative.png", "speculative-speedup.png"):
 # `lessons/08-speculative-decoding.md` for the numbers.
 #
 # [^learned]: published: EAGLE (Li et al., arXiv 2401.15077), abstract: 2.7x-3.5x latency speedup for LLaMA2-Chat 70B; DeepSeek-V3 technical report (arXiv 2412.19437), §5.4.3: MTP gives 1.8x TPS
+
+# %% [markdown]
+# ## 7. A learned draft: an EAGLE head trained here, in the engine
+#
+# EAGLE's head is one decoder layer on the target's own top-layer features: it reads the feature of position
+# t and the embedding of token t + 1, predicts the feature of t + 1, and the target's tied LM head (over the
+# 8192 most frequent tokens) turns that into a draft. `python -m minillm bench eagle` trains one for SmolLM2
+# on text SmolLM2 writes itself and saves it; `LLM(speculative_method="eagle")` loads it, the runner hands
+# each request's drafter the features of every verified position, and the engine verifies the drafts like
+# any others. Greedy output must equal plain decoding token for token; the acceptance by draft position is
+# what `/metrics` reports as `vllm:spec_decode_num_accepted_tokens_per_pos`.
+
+# %%
+from minillm.speculative.eagle import default_head_path
+if default_head_path().exists():
+    eagle = LLM(model=llm.model, tokenizer=tok, max_model_len=llm.max_model_len, speculative_method="eagle",
+                num_speculative_tokens=3, speculative_policy="always")
+    qa = tok.apply_chat_template([{"role": "user", "content": "Why is the sky blue? Answer briefly."}])
+    want = llm.generate([qa], params, use_tqdm=False)[0].outputs[0].token_ids
+    got = eagle.generate([qa], params, use_tqdm=False)[0].outputs[0].token_ids
+    s = eagle.engine.speculation
+    by_pos = [sum(e["num_accepted_per_position"][j] for e in eagle.engine.step_log) / s.verify_runs for j in range(3)]
+    print(f"eagle k=3: identical={got == want}  drafted {s.drafted}, accepted {s.accepted}; "
+          f"accepted per verification by position {[round(x, 2) for x in by_pos]}")
+else:
+    print(f"no trained head at {default_head_path()}: python -m minillm bench eagle trains one")
+
+# %%
+for name in ("eagle", "eagle-engine"):
+    path = Path(f"../results/{name}.json")
+    if not path.exists():
+        print(f"{path} not found: run python -m minillm bench {name}")
+        continue
+    s = json.loads(path.read_text())["summary"]
+    if name == "eagle":
+        print(f"trained on {s['training_tokens']} tokens in {s['train_seconds'] / 60:.0f} min; teacher-forced "
+              f"top-1 agreement {s['final_top1_next_token']:.2f} (train), {s['final_held_out_top1']:.2f} (held out)")
+        print("mean drafts accepted of 5, held-out prompts:", {k: round(v, 2) for k, v in s["mean_accepted_of_5"].items()})
+    else:
+        for key, value in s["speedup"].items():
+            print(f"{key:>40}: {value:.2f}x")

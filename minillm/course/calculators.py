@@ -104,6 +104,19 @@ def expected_speedup(alpha: float, k: int, cost_ratio: float, verify_cost: float
     return expected_tokens_per_call(alpha, k) / (k * cost_ratio + verify_cost)
 
 
+def break_even_alpha(k: int, cost_ratio: float, verify_cost: float = 1.0) -> float:
+    """The acceptance alpha at which expected_speedup(alpha, k, c, v) = 1: a round must bring k * c + v tokens
+    (by bisection: tokens per call grow with alpha). 1.0 where even alpha = 1 does not pay (k + 1 < k * c + v)."""
+    need = k * cost_ratio + verify_cost
+    if expected_tokens_per_call(1.0, k) < need:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens_per_call(mid, k) < need else (lo, mid)
+    return hi
+
+
 def best_k(alpha: float, cost_ratio: float, max_k: int = MAX_SPECULATIVE_TOKENS, verify_cost: float = 1.0) -> int:
     """The number of guesses (1..max_k) with the highest expected_speedup: more guesses pay only while
     alpha^k is not negligible next to the cost k * c of drafting them."""

@@ -8,7 +8,7 @@ import torch
 from helpers import CharTokenizer, chi2_pvalue
 from minillm import LLM, SamplingParams
 from minillm.config import EngineConfig
-from minillm.course.calculators import best_k, expected_speedup
+from minillm.course.calculators import best_k, break_even_alpha, expected_speedup
 from minillm.engine.output_processor import OutputProcessor
 from minillm.engine.sampling import filtered_probs
 from minillm.model.llama import random_model, tiny_config
@@ -410,6 +410,13 @@ def test_expected_speedup_charges_drafting_and_verification():
     assert expected_speedup(0.8, 4, 0.05) == pytest.approx(3.3616 / 1.2)
     assert expected_speedup(1.0, 8, 0.81, verify_cost=2.16) == pytest.approx(9 / (8 * 0.81 + 2.16))
 
+
+@pytest.mark.parametrize("k, c, v", [(3, 0.2, 2.05), (4, 0.05, 1.0), (1, 0.0, 1.5)])
+def test_break_even_alpha_is_where_the_expected_speedup_is_one(k, c, v):
+    alpha = break_even_alpha(k, c, v)
+    assert expected_speedup(alpha, k, c, v) == pytest.approx(1.0, abs=1e-9)
+    assert expected_speedup(alpha - 0.01, k, c, v) < 1 < expected_speedup(alpha + 0.01, k, c, v)
+    assert break_even_alpha(3, 1.0, 2.0) == 1.0                        # 4 tokens can never pay 5 steps
 
 @pytest.mark.parametrize("alpha, cost", [(0.8, 0.05), (0.8, 0.2), (0.5, 0.1), (0.95, 0.01)])
 def test_best_k_maximises_the_expected_speedup(alpha, cost):
