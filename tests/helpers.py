@@ -141,6 +141,16 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
+def second_token_marginal(model, prompt: list[int]) -> torch.Tensor:
+    """The exact distribution (V,) of the second token sampled at T = 1 after `prompt`:
+    p(x2) = sum_x1 p(x1) p(x2 | x1), from the model's own logits (the speculative tests' reference)."""
+    V = model.cfg.vocab_size
+    with torch.no_grad():
+        p1 = model(torch.tensor([prompt]))[0, -1].softmax(-1)                            # (V,)
+        after = model(torch.tensor([prompt + [x] for x in range(V)]))[:, -1].softmax(-1)  # (V, V) p(x2 | x1)
+    return (p1[:, None] * after).sum(0)                                                # (V,)
+
+
 def paged_case(lengths, num_heads, num_kv_heads, head_dim=16, block_size=4, dtype=torch.float32, seed=0):
     """q (B, Hq, D), a pool whose blocks are scattered and filled with noise, int64 block tables
     (B, n) padded with block 0, and seq_lens (B,)."""

@@ -4,10 +4,12 @@ request's EagleDraft feeds them to the head incrementally and drafts on its own 
 Exactness as for every method: greedy tokens identical to the engine without speculation (under batching,
 preemption and prefix-cache hits), sampled tokens distributed as the target's; and the incremental head cache
 drafts exactly what the head drafts from scratch over the whole context."""
+import tempfile
+
 import pytest
 import torch
 
-from helpers import CharTokenizer, chi2_pvalue, random_prompts
+from helpers import CharTokenizer, chi2_pvalue, random_prompts, second_token_marginal
 from minillm import LLM, SamplingParams
 from minillm.model.llama import random_model, tiny_config
 from minillm.speculative.eagle import EagleDraft, HeadConfig, save_head, target_features, train_head
@@ -114,11 +116,7 @@ def test_sampled_tokens_are_distributed_as_the_target():
     small = random_model(tiny_config(vocab_size=16, tie_embeddings=True), seed=1)
     head = trained_head(small, 16, 30)
     prompt = list(torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist())
-    with torch.no_grad():
-        p1 = small(torch.tensor([prompt]))[0, -1].softmax(-1)           # (V,)
-        after = small(torch.tensor([prompt + [x] for x in range(16)]))[:, -1].softmax(-1)   # (V, V) p(x2 | x1)
-    p2 = (p1[:, None] * after).sum(0)                                   # (V,)
-    import tempfile
+    p2 = second_token_marginal(small, prompt)                           # (V,) the exact marginal
     with tempfile.TemporaryDirectory() as tmp:
         save_head(head, f"{tmp}/head.pt")
         spec = LLM(model=small, tokenizer=CharTokenizer(), device="cpu", max_model_len=64, max_num_seqs=256,

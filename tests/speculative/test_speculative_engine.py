@@ -8,7 +8,7 @@ silently fell back to plain decoding cannot pass.
 import pytest
 import torch
 
-from helpers import TEACHING_STAGES, CharTokenizer, chi2_pvalue, modules_entered, random_prompts
+from helpers import TEACHING_STAGES, CharTokenizer, chi2_pvalue, modules_entered, random_prompts, second_token_marginal
 from minillm import LLM, SamplingParams
 from minillm.course.calculators import crossover_batch, roofline_speedup
 from minillm.model.llama import random_model, tiny_config
@@ -177,10 +177,7 @@ def test_sampled_tokens_are_distributed_as_the_target(model):
     p(x2) = sum_x1 p(x1) p(x2 | x1) computed from the model."""
     small = random_model(tiny_config(vocab_size=16), seed=1)
     prompt = list(torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist())
-    with torch.no_grad():
-        p1 = small(torch.tensor([prompt]))[0, -1].softmax(-1)          # (V,)
-        after = small(torch.tensor([prompt + [x] for x in range(16)]))[:, -1].softmax(-1)   # (V, V) p(x2 | x1)
-    p2 = (p1[:, None] * after).sum(0)                                  # (V,)
+    p2 = second_token_marginal(small, prompt)                           # (V,) the exact marginal
     spec = LLM(model=small, tokenizer=CharTokenizer(), device="cpu", max_model_len=64, max_num_seqs=256,
                speculative_method="ngram", num_speculative_tokens=1, speculative_policy="always")
     n = 1500

@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -53,6 +54,24 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def interleaved_generate(llms: dict, prompt, params, reps: int, counts=None) -> tuple[dict, dict]:
+    """One request through each LLM in turn, a warm-up round (it compiles the shapes) then `reps` timed rounds:
+    interleaving keeps both sides of every ratio under the same load. counts(llm) -> a snapshot of its counters,
+    taken before each run (the runs of other LLMs do not move them). -> ({name: seconds per timed round},
+    {name: (token ids of the last round, the counts snapshot before it)})."""
+    times, last = {name: [] for name in llms}, {}
+    for rep in range(reps + 1):
+        for name, llm in llms.items():
+            before = counts(llm) if counts else None
+            t0 = time.perf_counter()
+            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            seconds = time.perf_counter() - t0
+            if rep:
+                times[name].append(seconds)
+            last[name] = (out.token_ids, before)
+    return times, last
 
 
 def document(name: str, config: dict, results: list, summary: dict) -> dict:

@@ -16,10 +16,9 @@ verifications), and the drafter's own seconds per drafted token.
 from __future__ import annotations
 
 import statistics
-import time
 
 from minillm.engine.sampling import SamplingParams
-from .common import document
+from .common import document, interleaved_generate
 from .eagle import held_out_prompts
 
 NAME = "eagle-engine"
@@ -81,16 +80,8 @@ def run(quick: bool) -> dict:
     for kind, text, temperature in workloads(quick):
         prompt = tok.apply_chat_template([{"role": "user", "content": text}])
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
-        times, outputs = {mode: [] for mode in llms}, {}
-        for rep in range(reps + 1):                            # rep 0: warm-up (compiles the shapes)
-            for mode, m in llms.items():
-                before = _counts(m)
-                t0 = time.perf_counter()
-                out = m.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-                seconds = time.perf_counter() - t0
-                if rep:
-                    times[mode].append(seconds)
-                    outputs[mode] = (out.token_ids, _delta(_counts(m), before))
+        times, last = interleaved_generate(llms, prompt, params, reps, _counts)
+        outputs = {mode: (tokens, _delta(_counts(llms[mode]), before)) for mode, (tokens, before) in last.items()}
         plain = statistics.median(times["plain"])
         for mode in llms:
             tokens, counts = outputs[mode]

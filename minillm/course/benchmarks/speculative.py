@@ -139,17 +139,9 @@ def measure_batch1(llm, quick: bool) -> list[dict]:
             text, temperature = BATCH1_PROMPTS[kind]
             prompt = tok.apply_chat_template([{"role": "user", "content": text}])
             params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
-            times = {mode: [] for mode in modes}
-            outputs = {}
-            for rep in range(reps + 1):                    # rep 0: warm-up (compiles the shapes)
-                for mode, m in llms.items():
-                    stats_before = _spec_counts(m)
-                    t0 = time.perf_counter()
-                    out = m.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-                    seconds = time.perf_counter() - t0
-                    if rep:
-                        times[mode].append(seconds)
-                    outputs[mode] = (out.token_ids, _spec_delta(m, stats_before))
+            times, last = common.interleaved_generate(llms, prompt, params, reps,
+                                                      lambda m: _spec_counts(m) if m.speculative_method else None)
+            outputs = {mode: (tokens, _spec_delta(llms[mode], before)) for mode, (tokens, before) in last.items()}
             plain = statistics.median(times["plain"])
             for mode in modes:
                 tokens, counts = outputs[mode]
