@@ -454,9 +454,12 @@ class ModelRunner:
         """-> logits (K, V) of batch.logits_rows."""
         if self.graphs is not None and self.graphs.fits(batch):         # NEW: CUDA graphs, decode-only steps
             return self.graphs.run(batch)
-        if self.decode_weights is not None and _one_decode_row(batch) and self.compile_failed is None:
-            return self._forward_compiled(batch)                         # NEW: compiled decode step
+        if self._compiled_decode_fits(batch):                           # NEW: compiled decode step
+            return self._decode_logits(self._decode_layers(batch))
         return self.forward_eager(batch)
+
+    def _compiled_decode_fits(self, batch: PagedBatch) -> bool:
+        return self.decode_weights is not None and _one_decode_row(batch) and self.compile_failed is None
 
     @torch.no_grad()
     def forward_eager(self, batch: PagedBatch) -> torch.Tensor:
@@ -467,6 +470,9 @@ class ModelRunner:
     def forward_with_features(self, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """NEW: EAGLE -> logits (K, V) of batch.logits_rows and the features (F, dim) of batch.feature_rows: the
         hidden states after the final norm, what the LM head reads and an EAGLE head drafts from."""
+        if self._compiled_decode_fits(batch):                           # a step without drafts: one row
+            h = self._decode_layers(batch)                               # (1, dim)
+            return self._decode_logits(h), self.model.norm(h[batch.feature_rows])
         h = self.forward_layers(self.model.embed(batch.tokens), batch)   # (N, dim)
         return self._logits(h, batch), self.model.norm(h[batch.feature_rows])
 
@@ -512,10 +518,10 @@ class ModelRunner:
         return self.rope.cos[positions][:, None], self.rope.sin[positions][:, None]
 
     @torch.no_grad()
-    def _forward_compiled(self, batch: PagedBatch) -> torch.Tensor:
+    def _decode_layers(self, batch: PagedBatch) -> torch.Tensor:
         """One decode token through every layer by the compiled layer.paged_decode_layer (eagerly,
-        where compiling fails) -> logits (1, V). The block table is padded to at least 2 blocks
-        (a repeat past seq_len, masked): torch would specialise a size of 1 into a graph of its own."""
+        where compiling fails) -> h (1, dim) before the final norm. The block table is padded to at least 2
+        blocks (a repeat past seq_len, masked): torch would specialise a size of 1 into a graph of its own."""
         cfg = self.model.cfg
         tables = batch.decode_tables.long()                              # (1, n)
         tables = tables if tables.shape[1] > 1 else tables.repeat(1, 2)  # (1, n >= 2)
@@ -530,6 +536,10 @@ class ModelRunner:
                           batch.slot_mapping, tables, batch.decode_lens.long(), cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps,
                           self.window)
         self.compiled_decode_steps += 1
+        return h
+
+    def _decode_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h (1, dim) of the compiled decode step -> logits (1, V)."""
         if self.model.lm_head is not None:                               # an untied or quantised head
             return self.model.logits(h)                                  # (1, V)
         x = self.model.norm(h)[0]                                        # (dim,)

@@ -68,6 +68,18 @@ def test_greedy_equals_the_engine_without_speculation(setup):
     assert spec.engine.step_log[0]["num_seqs"] > 1                      # they really shared steps
 
 
+def test_a_step_without_drafts_keeps_the_compiled_decode_step_and_still_feeds_the_head(setup):
+    """The last token of a request has no room for drafts: a one-row step, which must take the compiled decode
+    path (forward_with_features through it) and still hand its feature to the head."""
+    target, _, path = setup
+    prompts, params = greedy_workload(target)
+    spec = make_llm(target, speculative_method="eagle", speculative_model=path, num_speculative_tokens=4,
+                    speculative_policy="always")
+    expected = token_ids(make_llm(target), prompts[2:3], params[2:3])
+    assert token_ids(spec, prompts[2:3], params[2:3]) == expected
+    assert spec.engine.runner.compiled_decode_steps >= 1 and spec.engine.speculation.accepted > 0
+
+
 def test_greedy_equal_under_preemption_prefix_hits_and_a_tight_budget(setup):
     """16 blocks of 8 tokens force preemption (the head's cache is rebuilt from recomputed features); a shared
     48-token head hits the prefix cache (positions never computed: the head starts after them)."""
