@@ -80,13 +80,14 @@ class EagleHead(nn.Module):
         self.embed = target.embed                                     # shared, frozen
         self.embed.weight.requires_grad_(False)
         # the LM head's draft rows, gathered once: a gather per draft would copy V_d x dim floats each time
-        self.register_buffer("lm_rows", target.embed.weight.detach()[self.vocab], persistent=False)   # (V_d, dim)
+        # (fp32 whatever the target's dtype: the head runs in fp32 on a bf16 target's features too)
+        self.register_buffer("lm_rows", target.embed.weight.detach()[self.vocab].float(), persistent=False)   # (V_d, dim)
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """features (B, T, dim) at positions start .. start+T-1 and the tokens that followed each (B, T) ->
         predicted features (B, T, dim) one position later, causal over the T inputs."""
         T = features.shape[1]
-        x = self.fc(torch.cat([self.embed(next_tokens), features], dim=-1))     # (B, T, dim)
+        x = self.fc(torch.cat([self.embed(next_tokens).float(), features], dim=-1))     # (B, T, dim)
         cos, sin = rope_cos_sin(torch.arange(start, start + T), self.cfg.head_dim, self.cfg.rope_theta,
                                 self.cfg.rope_scaling)
         return self.block(x, cos, sin, naive_attention_fp32)
@@ -98,7 +99,7 @@ class EagleHead(nn.Module):
     def step(self, cache: "HeadCache", features: torch.Tensor, next_tokens: list[int]) -> torch.Tensor:
         """Incremental forward: features (T, dim) at positions cache.end .. cache.end + T - 1 and the token
         after each -> predicted next features (T, dim); their keys and values join the cache."""
-        x = self.fc(torch.cat([self.embed(torch.tensor(next_tokens)), features], dim=-1))[None]   # (1, T, dim)
+        x = self.fc(torch.cat([self.embed(torch.tensor(next_tokens)).float(), features], dim=-1))[None]   # (1, T, dim)
         T = x.shape[1]
         cos, sin = rope_cos_sin(torch.arange(cache.end, cache.end + T), self.cfg.head_dim, self.cfg.rope_theta,
                                 self.cfg.rope_scaling)

@@ -4,6 +4,7 @@ request's EagleDraft feeds them to the head incrementally and drafts on its own 
 Exactness as for every method: greedy tokens identical to the engine without speculation (under batching,
 preemption and prefix-cache hits), sampled tokens distributed as the target's; and the incremental head cache
 drafts exactly what the head drafts from scratch over the whole context."""
+import copy
 import tempfile
 
 import pytest
@@ -141,6 +142,17 @@ def test_sampled_tokens_are_distributed_as_the_target():
     stats = spec.engine.speculation
     assert stats.drafted >= n and 0 < stats.accepted < stats.drafted    # both branches ran
     assert chi2_pvalue(torch.bincount(second, minlength=16), p2.double()) > 0.001
+
+
+def test_a_bf16_target_drafts_with_the_fp32_head(setup):
+    """The head trained on the fp32 target runs in fp32 on a bf16 target's features (bf16 embedding rows included)."""
+    target, _, path = setup
+    low = copy.deepcopy(target).to(torch.bfloat16)
+    prompts, params = greedy_workload(target)
+    spec = make_llm(low, speculative_method="eagle", speculative_model=path, num_speculative_tokens=3,
+                    speculative_policy="always")
+    outs = token_ids(spec, prompts[:3], params[:3])
+    assert [len(o) for o in outs] == MAX_TOKENS[:3] and spec.engine.speculation.accepted > 0
 
 
 def test_bad_arguments_are_clear_errors(setup, tmp_path):
