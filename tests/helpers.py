@@ -151,6 +151,14 @@ def second_token_marginal(model, prompt: list[int]) -> torch.Tensor:
     return (p1[:, None] * after).sum(0)                                                # (V,)
 
 
+def sampled_second_tokens(llm, prompt: list[int], n: int) -> torch.Tensor:
+    """The second token of n requests for `prompt` sampled at T = 1 (seeds 0 .. n - 1), by llm.generate -> (n,)."""
+    from minillm import SamplingParams
+    params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    return torch.tensor([o.outputs[0].token_ids[1] for o in outs])
+
+
 def paged_case(lengths, num_heads, num_kv_heads, head_dim=16, block_size=4, dtype=torch.float32, seed=0):
     """q (B, Hq, D), a pool whose blocks are scattered and filled with noise, int64 block tables
     (B, n) padded with block 0, and seq_lens (B,)."""

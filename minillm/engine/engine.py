@@ -121,14 +121,14 @@ class Engine:
         self.kv.copy_blocks(plan.block_copies)
         batch, wants, spans = self._prepare(plan)
         log = self._step_counts(plan)                                      # before the update moves the counts
-        starts, lengths = [req.num_computed_tokens for req in plan.requests], list(plan.num_new_tokens)
         if batch.feature_rows is None:
             logits = self.runner.forward(batch)                            # (K, V)
         else:                                                              # NEW: EAGLE drafts read the features
+            runs = [(req.num_computed_tokens, n) for req, n in zip(plan.requests, plan.num_new_tokens)]   # as scheduled
             logits, features = self.runner.forward_with_features(batch)    # (K, V), (F, dim)
         verified, events = self._verify(plan, spans, logits, log)
         if batch.feature_rows is not None:                                 # the verified positions' features
-            self.speculation.take_features(plan, starts, lengths, features)
+            self.speculation.take_features(plan, runs, features)
         events += self._sample_and_update(plan, wants, spans, logits, verified)
         self._log(log, plan, verified, t0)
         return events

@@ -86,11 +86,15 @@ class EagleHead(nn.Module):
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """features (B, T, dim) at positions start .. start+T-1 and the tokens that followed each (B, T) ->
         predicted features (B, T, dim) one position later, causal over the T inputs."""
-        T = features.shape[1]
+        return self._layer(features, next_tokens, start, naive_attention_fp32)
+
+    def _layer(self, features: torch.Tensor, next_tokens: torch.Tensor, start: int, attend) -> torch.Tensor:
+        """fc([embed(next token) ; feature]) and the decoder layer at positions start .. start + T - 1."""
         x = self.fc(torch.cat([self.embed(next_tokens).float(), features], dim=-1))     # (B, T, dim)
+        T = x.shape[1]
         cos, sin = rope_cos_sin(torch.arange(start, start + T), self.cfg.head_dim, self.cfg.rope_theta,
                                 self.cfg.rope_scaling)
-        return self.block(x, cos, sin, naive_attention_fp32)
+        return self.block(x, cos, sin, attend)                                  # (B, T, dim)
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """(..., dim) -> (..., V_d) over the draft vocabulary."""
@@ -99,11 +103,7 @@ class EagleHead(nn.Module):
     def step(self, cache: "HeadCache", features: torch.Tensor, next_tokens: list[int]) -> torch.Tensor:
         """Incremental forward: features (T, dim) at positions cache.end .. cache.end + T - 1 and the token
         after each -> predicted next features (T, dim); their keys and values join the cache."""
-        x = self.fc(torch.cat([self.embed(torch.tensor(next_tokens)).float(), features], dim=-1))[None]   # (1, T, dim)
-        T = x.shape[1]
-        cos, sin = rope_cos_sin(torch.arange(cache.end, cache.end + T), self.cfg.head_dim, self.cfg.rope_theta,
-                                self.cfg.rope_scaling)
-        return self.block(x, cos, sin, cache.attend)[0]                     # (T, dim)
+        return self._layer(features[None], torch.tensor([next_tokens]), cache.end, cache.attend)[0]   # (T, dim)
 
     @torch.no_grad()
     def propose(self, features: torch.Tensor, tokens: list[int], k: int) -> list[int]:
@@ -197,9 +197,6 @@ class EagleDraft:
                 pred = self.head.step(self.cache, pred, [token])         # (1, dim): the next predicted feature
         self.cache.truncate(end)                                         # predicted positions leave the cache
         return tokens, (torch.stack(qs) if qs else None)
-
-    def rollback(self, length: int) -> None:
-        """Nothing to forget: the cache holds real features only, and add_features brings the verified ones."""
 
     def release(self) -> None:
         self.cache, self.pending, self.last_pred = HeadCache(), torch.zeros(0, self.head.cfg.dim), None

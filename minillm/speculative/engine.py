@@ -117,12 +117,12 @@ class EngineSpeculation:
         """Which of the step's runs return their top-layer features (build_batch): all, for an EAGLE head."""
         return None if self.head is None else [True] * len(requests)
 
-    def take_features(self, plan, starts: list[int], lengths: list[int], features: torch.Tensor) -> None:
+    def take_features(self, plan, runs: list[tuple[int, int]], features: torch.Tensor) -> None:
         """After verification: each request's EAGLE drafter gets the features (F, dim) of its run's positions
-        (starts, lengths: the runs as scheduled) that stand: plan.num_new_tokens, after verification, ends a
+        (runs: (start, length) as scheduled) that stand: plan.num_new_tokens, after verification, ends a
         run at its last accepted draft."""
         row = 0
-        for req, start, n_valid, n_run in zip(plan.requests, starts, plan.num_new_tokens, lengths):
+        for req, (start, n_run), n_valid in zip(plan.requests, runs, plan.num_new_tokens):
             if not req.finished:
                 self._drafter(req).add_features(start, features[row:row + n_valid])
             row += n_run

@@ -10,7 +10,7 @@ import tempfile
 import pytest
 import torch
 
-from helpers import CharTokenizer, chi2_pvalue, random_prompts, second_token_marginal
+from helpers import CharTokenizer, chi2_pvalue, random_prompts, sampled_second_tokens, second_token_marginal
 from minillm import LLM, SamplingParams
 from minillm.model.llama import random_model, tiny_config
 from minillm.speculative.eagle import EagleDraft, HeadConfig, save_head, target_features, train_head
@@ -136,9 +136,7 @@ def test_sampled_tokens_are_distributed_as_the_target():
                    speculative_method="eagle", speculative_model=f"{tmp}/head.pt", num_speculative_tokens=1,
                    speculative_policy="always")
         n = 1500
-        params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
-        outs = spec.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
-    second = torch.tensor([o.outputs[0].token_ids[1] for o in outs])
+        second = sampled_second_tokens(spec, prompt, n)
     stats = spec.engine.speculation
     assert stats.drafted >= n and 0 < stats.accepted < stats.drafted    # both branches ran
     assert chi2_pvalue(torch.bincount(second, minlength=16), p2.double()) > 0.001
