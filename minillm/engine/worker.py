@@ -1,6 +1,6 @@
-"""The one thread that owns the engine, for the HTTP server (lesson 09, section 3).
+"""The one thread that steps the engine, for the HTTP server (lesson 09, section 3).
 
-    handlers (event loop)                               EngineWorker thread (owns llm.engine)
+    handlers (event loop)                               the engine's thread (owns llm.engine)
     worker.submit(req, sink)  ----- inbox queue ----->  add_request(req)
                                                         step() -> (req, delta) for each request
     await sink's asyncio.Queue <- call_soon_threadsafe   push Delta(text, finish_reason) to its sink
@@ -8,6 +8,14 @@
 
 The engine is not thread-safe, so nothing else calls it: the worker publishes what others
 may read (stats for /debug/engine, Prometheus metrics for /metrics) after each step.
+
+Which thread steps it matters on a CPU. torch's OpenMP runtime (libgomp) keeps a pool of worker
+threads per thread that opens parallel regions; once the pools together hold more threads than
+there are cores, every pool spins only ~100 times at its barriers before sleeping in the kernel,
+so each parallel region (several per layer) pays a futex wake-up. The thread that loaded and warmed
+the model already owns a pool, so `minillm serve` steps the engine on that thread (`run()`) and
+puts the HTTP event loop on another; `start()` runs the loop on a new thread instead, for servers
+inside a test or a notebook.
 """
 from __future__ import annotations
 
@@ -173,7 +181,8 @@ class ShortPrefixWatch:
 
 
 class EngineWorker:
-    """The one thread that calls the engine. Others talk to it only through `inbox`."""
+    """The loop that calls the engine, on one thread: the caller's (`run`) or a new one (`start`). Others talk to
+    it only through `inbox`."""
 
     _STOP = object()
 
@@ -193,15 +202,35 @@ class EngineWorker:
         self.stats = self._snapshot()
         self.idle = True                          # blocked on an empty inbox: no progress is due
         self.last_progress = time.monotonic()
-        self.thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
+        self.thread: threading.Thread | None = None     # the thread that steps the engine, once running
+        self._started_thread = False
 
-    # called from other threads
     def start(self) -> None:
+        """Step the engine on a new thread (a server inside a test or a notebook)."""
+        self.thread = threading.Thread(target=self.run, name="minillm-engine", daemon=True)
+        self._started_thread = True
         self.thread.start()
 
+    def run(self) -> None:
+        """Step the engine on the calling thread until stop() (`minillm serve`: the thread that loaded the
+        model, whose OpenMP pool the steps then use; see the module's docstring)."""
+        self.thread = self.thread or threading.current_thread()
+        while self._take_commands(wait=not self.engine.has_unfinished()):
+            if self.engine.has_unfinished():
+                self._step()
+            self.stats = self._snapshot()
+            self.last_progress = time.monotonic()
+
+    # called from other threads
+    @property
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
     def stop(self) -> None:
+        """End the loop after the commands queued before this one; waits for a thread that start() made."""
         self.inbox.put(self._STOP)
-        self.thread.join()
+        if self._started_thread and self.thread is not threading.current_thread():
+            self.thread.join()
 
     @property
     def num_without_output(self) -> int:
@@ -225,14 +254,7 @@ class EngineWorker:
         """Seconds without progress although work is queued (0 when idle)."""
         return 0.0 if self.idle else time.monotonic() - self.last_progress
 
-    # the engine thread
-    def _run(self) -> None:
-        while self._take_commands(wait=not self.engine.has_unfinished()):
-            if self.engine.has_unfinished():
-                self._step()
-            self.stats = self._snapshot()
-            self.last_progress = time.monotonic()
-
+    # the engine's thread
     def _take_commands(self, wait: bool) -> bool:
         """Apply every queued command (blocking for the first one when idle). False on stop."""
         commands = []

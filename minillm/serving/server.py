@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import signal
 import sys
 import threading
 import time
@@ -340,8 +341,8 @@ class OpenAIServer:
 
     async def health(self) -> dict:
         """200 while the engine thread can serve: a load balancer takes a 503 server out."""
-        if not self.worker.thread.is_alive():
-            raise APIError(503, "the engine thread has died (see the server log)", type="server_error")
+        if not self.worker.alive:
+            raise APIError(503, "the engine's thread is not running (see the server log)", type="server_error")
         stalled = self.worker.stalled_for()
         if stalled > self.stall_timeout_s:
             raise APIError(503, f"the engine has made no progress for {stalled:.0f} s although requests wait",
@@ -505,9 +506,10 @@ class _Guard:
 
 def build_app(llm, served_model_name: str = "smollm2", api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, max_waiting: int = 256,
-              stall_timeout_s: float = 60.0) -> FastAPI:
-    """The FastAPI app; its lifespan starts and stops the engine thread. app.state.server is the
-    OpenAIServer, for in-process access to its worker.
+              stall_timeout_s: float = 60.0, engine_thread: bool = True) -> FastAPI:
+    """The FastAPI app; its lifespan stops the engine's loop, and starts it on a thread of its own unless
+    engine_thread is False (then the caller runs app.state.server.worker.run(), as serve() does). app.state.server
+    is the OpenAIServer, for in-process access to its worker.
 
     api_key: /v1/* wants `Authorization: Bearer <api_key>` (None: open). max_waiting: requests
     with no output yet beyond which new ones get a 429. stall_timeout_s: /health answers 503
@@ -522,7 +524,8 @@ def build_app(llm, served_model_name: str = "smollm2", api_key: str | None = Non
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        server.worker.start()
+        if engine_thread:
+            server.worker.start()
         yield
         server.worker.stop()
 
@@ -554,14 +557,26 @@ def warm_up(llm) -> float:
 
 
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str = "smollm2", **options) -> None:
-    """Serve in the foreground until Ctrl-C (python -m minillm serve); options go to build_app. The engine is
-    warmed (warm_up) before the port opens: a server that answers /health is ready at full speed."""
-    import uvicorn
-
+    """Serve until Ctrl-C or SIGTERM (python -m minillm serve); options go to build_app. The engine is warmed
+    (warm_up) before the port opens: a server that answers /health is ready at full speed. The engine then steps on
+    this thread, the one that loaded and warmed it, and HTTP runs on another (why: minillm/engine/worker.py)."""
     print(f"warming up the engine (compiling its steps) before opening port {port} ...", file=sys.stderr, flush=True)
     print(f"warm-up took {warm_up(llm):.1f} s", file=sys.stderr, flush=True)
-    uvicorn.run(build_app(llm, served_model_name, **options), host=host, port=port, log_level="info",
-                timeout_graceful_shutdown=5)             # then open streams are cut and their requests aborted
+    app = build_app(llm, served_model_name, engine_thread=False, **options)
+    worker = app.state.server.worker
+    http = ServerThread(app, host, port, log_level="info", on_exit=worker.stop)
+
+    def shut_down(_signum, _frame):               # first signal: drain open streams; second: cut them
+        http.request_exit()
+
+    handlers = {sig: signal.signal(sig, shut_down) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        http.start()
+        worker.run()                              # until the HTTP side has shut down (its lifespan stops it)
+    finally:
+        http.stop()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 class ServerThread:
@@ -571,14 +586,25 @@ class ServerThread:
             openai.OpenAI(base_url=server.base_url, api_key="unused")
     """
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 on_exit=None):
+        """on_exit: called on the HTTP thread when uvicorn has stopped, however it stopped."""
         import uvicorn
 
         self.app = app
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        # on shutdown, open streams get 5 s to finish; then they are cut and their requests aborted
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="minillm-http", daemon=True)
+        self._on_exit = on_exit
+        self._thread = threading.Thread(target=self._serve, name="minillm-http", daemon=True)
         self.url = self.base_url = None
+
+    def _serve(self) -> None:
+        try:
+            self._server.run()
+        finally:
+            if self._on_exit is not None:
+                self._on_exit()
 
     def start(self, timeout_s: float = 60.0) -> "ServerThread":
         self._thread.start()
@@ -592,9 +618,16 @@ class ServerThread:
         self.base_url = self.url + "/v1"
         return self
 
+    def request_exit(self) -> None:
+        """Ask uvicorn to stop (safe from a signal handler); asked twice, it cuts open connections."""
+        if self._server.should_exit:
+            self._server.force_exit = True
+        self._server.should_exit = True
+
     def stop(self) -> None:
         self._server.should_exit = True
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def __enter__(self) -> "ServerThread":
         return self.start()

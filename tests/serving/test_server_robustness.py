@@ -177,10 +177,13 @@ def test_serve_takes_the_api_key_from_the_flag_or_the_environment(monkeypatch):
     assert build_parser().parse_args(["serve", "--api-key", "k1"]).api_key == "k1"
 
 
-def test_serve_warms_the_engine_before_the_port_opens(monkeypatch):
-    """`minillm serve` compiles the engine's step shapes before uvicorn opens the port, and leaves no KV block held
+def test_serve_warms_up_steps_the_engine_on_its_own_thread_and_stops_on_sigterm(monkeypatch):
+    """`minillm serve` compiles the engine's step shapes before the port opens, steps the engine on the thread that
+    called it (the one that loaded the model: its OpenMP pool, see minillm/engine/worker.py) while HTTP runs on
+    another, answers a request, and on SIGTERM drains and returns with its signal handlers restored, no KV block held
     and no prefix cached."""
-    import uvicorn
+    import os
+    import signal
 
     from helpers import CharTokenizer
     from minillm.model.llama import random_model, tiny_config
@@ -188,11 +191,30 @@ def test_serve_warms_the_engine_before_the_port_opens(monkeypatch):
 
     tiny = LLM(model=random_model(tiny_config(), seed=0), tokenizer=CharTokenizer(), max_model_len=64,
                enable_prefix_caching=True)
-    at_open = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: at_open.append(
-        (tiny.engine.runner.compiled_decode_steps, tiny.engine.runner.compiled_batched_steps)))
-    server_module.serve(tiny, port=1)
+    at_open, step_threads, answers = [], set(), []
+    engine_step = tiny.engine.step
+    monkeypatch.setattr(tiny.engine, "step", lambda: (step_threads.add(threading.current_thread()), engine_step())[1])
+
+    def client(url):
+        answers.append(post(url, prompt=[5, 6, 7], max_tokens=3, temperature=0).json())
+        os.kill(os.getpid(), signal.SIGTERM)                     # what an operator's `kill` sends
+
+    start = ServerThread.start
+
+    def start_and_drive(self, *args, **kwargs):                 # serve() starts the HTTP thread, then steps
+        at_open.append((tiny.engine.runner.compiled_decode_steps, tiny.engine.runner.compiled_batched_steps))
+        started = start(self, *args, **kwargs)
+        threading.Thread(target=client, args=(self.url,), daemon=True).start()
+        return started
+
+    monkeypatch.setattr(ServerThread, "start", start_and_drive)
+    before = signal.getsignal(signal.SIGTERM)
+    server_module.serve(tiny, port=0)                           # returns once SIGTERM has shut it down
     assert len(at_open) == 1 and all(count > 0 for count in at_open[0])
+    assert step_threads == {threading.current_thread()}
+    assert answers[0]["usage"]["completion_tokens"] == 3
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert not any(t.name == "minillm-http" and t.is_alive() for t in threading.enumerate())
     bm = tiny.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not tiny.engine.has_unfinished()
 
