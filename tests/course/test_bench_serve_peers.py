@@ -1,6 +1,6 @@
 """bench serve-peers' plumbing without vLLM: the sweep's points, the generator's options (vLLM's `bench serve`
-flags for goodput, percentiles and greedy), the commands each server starts with, and a server that dies while
-starting named with its log."""
+flags for goodput, percentiles and greedy), GuideLLM's command and the rows read from its report, the engine-alone
+closed loop, the commands each server starts with, and a server that dies while starting named with its log."""
 import sys
 
 import pytest
@@ -50,3 +50,50 @@ def test_server_means_split_ttft_into_queue_and_prefill_from_the_metrics_text():
     means = serve_peers.server_means(before, after)
     assert means["queue_ms"] == 500.0 and means["prefill_ms"] == 125.0
     assert means["server_ttft_ms"] is None and means["decode_ms"] is None        # absent: no requests counted
+
+
+def test_guidellm_runs_its_concurrent_profile_on_completions_with_fixed_lengths(tmp_path, monkeypatch):
+    monkeypatch.setattr(serve_peers, "guidellm_path", lambda: tmp_path / "guidellm")
+    command = serve_peers.guidellm_command("http://127.0.0.1:1", tmp_path, 8, 32, 64, tmp_path / "g.json")
+    options = dict(zip(command[2::2], command[3::2]))
+    assert command[1] == "run" and "--disable-console" in command
+    assert options["--profile"] == "kind=concurrent,streams=8"
+    assert options["--constraint"] == "kind=max_requests,count=32"
+    assert options["--data"] == "kind=synthetic_text,prompt_tokens=128,output_tokens=64"
+    assert "request_format=/v1/completions" in options["--backend"] and "model=smollm2" in options["--backend"]
+    assert options["--output"] == f"kind=json,path={tmp_path / 'g.json'}"
+
+
+def test_guidellm_rows_read_its_report_in_ms_and_its_latency_in_seconds():
+    def dist(p50, p99):
+        return {"successful": {"percentiles": {"p50": p50, "p99": p99}}}
+
+    bench = {"config": {"strategy": {"streams": 4}},
+             "metrics": {"request_totals": {"successful": 16, "errored": 0},
+                         "output_tokens_per_second": {"successful": {"mean": 120.5}},
+                         "time_to_first_token_ms": dist(90.0, 200.0), "inter_token_latency_ms": dist(30.0, 41.0),
+                         "request_latency": dist(2.0, 2.5)}}
+    failed = {"config": {"strategy": {"streams": 8}},
+              "metrics": {"request_totals": {"successful": 0, "errored": 3},
+                          "output_tokens_per_second": {"successful": {"mean": 0.0}}}}
+    row, none = serve_peers.guidellm_rows({"benchmarks": [bench, failed]})
+    assert row == {"concurrency": 4, "completed": 16, "errored": 0, "output_tok_s": 120.5, "ttft_p50_ms": 90.0,
+                   "ttft_p99_ms": 200.0, "tpot_p50_ms": 30.0, "tpot_p99_ms": 41.0, "e2el_p50_ms": 2000.0}
+    assert none["errored"] == 3 and none["output_tok_s"] == 0.0 and none["tpot_p50_ms"] is None
+
+
+def test_engine_alone_keeps_at_most_the_concurrency_in_the_engine_and_finishes_every_request(monkeypatch):
+    from minillm import LLM
+    from minillm.model.llama import random_model, tiny_config
+
+    from helpers import CharTokenizer
+
+    llm = LLM(model=random_model(tiny_config(), seed=0), tokenizer=CharTokenizer(), max_model_len=256)
+    monkeypatch.setattr(serve_peers, "INPUT_LEN", 12)
+    in_engine, step = [], llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: (in_engine.append(len(llm.engine.requests)), step())[1])
+    point = serve_peers.engine_alone(llm, concurrency=3, prompts=7, output_len=5)
+    assert point["completed"] == 7 and point["output_tok_s"] > 0 and point["tpot_p50_ms"] > 0
+    assert max(in_engine) == 3 and not llm.engine.has_unfinished()
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

