@@ -56,24 +56,42 @@ class OutputProcessor:
             entry, lp = logprob_entry(logits, token, req.params.logprobs, self.tokenizer)
             req.output_logprobs.append(entry)
             req.cumulative_logprob += lp
-        req.text = self.tokenizer.decode(req.output_token_ids)
         params = req.params
         if not params.ignore_eos and token == self.tokenizer.eos_token_id:
             req.finish_reason, req.stop_reason = "stop", None
         elif token in params.stop_token_ids:
             req.finish_reason, req.stop_reason = "stop", token
-        for s in params.stop:
-            at = req.text.find(s)
-            if at != -1:
-                req.text = req.text[:at]
-                req.finish_reason, req.stop_reason = "stop", s
-                break
         if not req.finished and (len(req.output_token_ids) >= params.max_tokens
                                  or len(req.all_token_ids) >= self.max_model_len):
             req.finish_reason = "length"
+        checked = len(req.text)
+        self.detokenize(req, flush=req.finished)
+        for s in params.stop:                 # only where a new match can be: text before `checked` was searched
+            at = req.text.find(s, max(0, checked - len(s) + 1))
+            if at != -1:
+                req.text = req.text[:at]
+                req.finish_reason, req.stop_reason = "stop", s       # the text after it, read or not, is cut
+                break
         if req.finished:
             req.metrics.finished_time = now
         req.metrics.num_generated_tokens = len(req.output_token_ids)
+
+    def detokenize(self, req: Request, flush: bool = False) -> None:
+        """Append the text of the newest output tokens to req.text without decoding the whole output again (that
+        would cost O(n) per token, O(n^2) per request). Decode a short window of tokens that ends at the newest one,
+        with and without the tokens not yet read: the difference is their text. The window starts a token or more
+        back so that a decoder that treats a sequence's first token specially (a leading space) sees the same
+        context as in the whole output. A window that ends inside a multi-byte character decodes to U+FFFD: those
+        tokens wait for the next one, unless `flush` (the request is over: take the text as it decodes)."""
+        ids = req.output_token_ids
+        if req.detok_read >= len(ids):
+            return
+        before = self.tokenizer.decode(ids[req.detok_window:req.detok_read])
+        after = self.tokenizer.decode(ids[req.detok_window:])
+        if after.endswith("\ufffd") and not flush:
+            return
+        req.text += after[len(before):]
+        req.detok_window, req.detok_read = req.detok_read, len(ids)
 
     def set_prompt_logprobs(self, req: Request, prompt_logits: torch.Tensor) -> None:
         """prompt_logits (T, V): position t predicts token t + 1."""

@@ -50,6 +50,10 @@ class Request:
     finish_reason: str | None = None       # "stop", "length" or "abort"
     stop_reason: str | int | None = None
     emitted: int = 0                       # characters of text already streamed
+    # incremental detokenising (OutputProcessor.detokenize): output tokens [detok_window:] are decoded again at the
+    # next token; the text of [:detok_read] is in `text`
+    detok_window: int = 0
+    detok_read: int = 0
     # engine state
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

@@ -52,8 +52,23 @@ class _Sink:
     queue: asyncio.Queue
 
     def push(self, delta: Delta) -> None:
+        push_all([(self, delta)])
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Delta]]) -> None:
+    for queue_, delta in items:
+        queue_.put_nowait(delta)
+
+
+def push_all(pushes: list[tuple[_Sink, Delta]]) -> None:
+    """Hand deltas to their handlers' queues with one wake-up of each event loop (a write to its self-pipe), not one
+    per request: a step's deltas for 64 requests cost the engine's thread one call, not 64."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for sink, delta in pushes:
+        by_loop.setdefault(sink.loop, []).append((sink.queue, delta))
+    for loop, items in by_loop.items():
         with contextlib.suppress(RuntimeError):    # the loop has closed: nobody is listening any more
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+            loop.call_soon_threadsafe(_deliver, items)
 
 
 class EngineFailure(Exception):
@@ -330,6 +345,7 @@ class EngineWorker:
         # last event carries the finish
         last = {req.request_id: i for i, (req, _) in enumerate(events)}
         now = time.time()
+        pushes = []
         for i, (req, text) in enumerate(events):
             if len(req.output_token_ids) == 1:                    # never with drafts: they follow the first
                 self._started(req.request_id)
@@ -337,7 +353,7 @@ class EngineWorker:
                 self._watch_prefix(req)
             sink = self.sinks[req.request_id]
             final = last[req.request_id] == i
-            sink.push(Delta(text, req.finish_reason if final else None, len(req.output_token_ids)))
+            pushes.append((sink, Delta(text, req.finish_reason if final else None, len(req.output_token_ids))))
             if final:                                             # one gap per request and step
                 previous = self.last_output_time.pop(req.request_id, None)
                 if previous is not None:
@@ -347,6 +363,7 @@ class EngineWorker:
             if req.finished and final:
                 del self.sinks[req.request_id]
                 self.metrics.finished_request(req)
+        push_all(pushes)
 
     def _watch_prefix(self, req: Request) -> None:
         """Count (and once, log) a prompt whose shared prefix is too short for the prefix cache to reuse."""

@@ -194,13 +194,25 @@ class Job:
         self._watcher = asyncio.create_task(self._abort_on_disconnect(http))
 
     async def deltas(self) -> AsyncIterator[Delta]:
+        async for batch in self.delta_batches():
+            for delta in batch:
+                yield delta
+
+    async def delta_batches(self) -> AsyncIterator[list[Delta]]:
+        """The deltas that have arrived, as they arrive: waits for one, then takes every other one already queued
+        (several tokens of one speculative step, or steps that came while the handler was busy), so that a stream
+        writes them to its socket at once."""
         while self.finish_reason is None:
-            delta = await self._queue.get()
-            if delta.error is not None:
+            batch = [await self._queue.get()]
+            while batch[-1].finish_reason is None and batch[-1].error is None and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            error = batch.pop() if batch[-1].error is not None else None     # an error comes last
+            if batch:
+                self.finish_reason, self.num_output_tokens = batch[-1].finish_reason, batch[-1].num_output_tokens
+                yield batch
+            if error is not None:
                 self.finish_reason = "error"
-                raise EngineFailure(delta.error, delta.client_error)
-            self.finish_reason, self.num_output_tokens = delta.finish_reason, delta.num_output_tokens
-            yield delta
+                raise EngineFailure(error.error, error.client_error)
 
     def abort(self) -> None:
         if self.finish_reason is None:
@@ -284,9 +296,11 @@ def _event_stream(job: Job, shape: _Shape, include_usage: bool) -> AsyncIterator
         if shape.chat:                               # OpenAI opens a chat stream with the role
             yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
-        async for delta in job.deltas():
-            if delta.text or delta.finish_reason:    # empty deltas: text held back (partial UTF-8, stop string)
-                yield _sse({**head, "choices": [shape.chunk_choice(delta.text, delta.finish_reason)]})
+        async for batch in job.delta_batches():      # one write for the deltas that have arrived
+            events = [_sse({**head, "choices": [shape.chunk_choice(delta.text, delta.finish_reason)]})
+                      for delta in batch if delta.text or delta.finish_reason]   # empty: text held back
+            if events:
+                yield "".join(events)
     return _sse_stream(job, head, chunks(), include_usage)
 
 
