@@ -13,8 +13,9 @@ Structured output (minillm/guided/api.py): response_format json_schema / json_ob
 guided_json / guided_regex / guided_choice / guided_grammar, and tools with tool_choice naming a function or
 "required", answered as tool_calls (finish_reason "tool_calls"), streamed or not.
 
-Architecture: the engine is not thread-safe, so exactly one thread owns it: the EngineWorker
-(minillm/engine/worker.py). This module is the HTTP side: it validates, tokenises, submits a
+Architecture: the engine is not thread-safe, so exactly one thread steps it: the EngineWorker's loop
+(minillm/engine/worker.py), which `serve` runs on its main thread, the one that loaded the model, while
+uvicorn runs on a second thread (why the thread matters on a CPU: worker.py's docstring). This module is the HTTP side: it validates, tokenises, submits a
 Request to the worker and streams the Deltas it sends back, aborting the request when its
 client goes away. Every concurrent HTTP request therefore shares one batch: the scheduler
 admits new requests at the next step, exactly as it does offline.
@@ -594,7 +595,8 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str
 
 
 class ServerThread:
-    """uvicorn serving the app from a background thread, for tests, benchmarks and notebooks.
+    """uvicorn serving the app from a background thread: serve()'s HTTP side, and a server inside a test, a
+    benchmark or a notebook.
 
         with ServerThread(build_app(llm)) as server:     # port 0: the OS picks a free port
             openai.OpenAI(base_url=server.base_url, api_key="unused")
