@@ -15,10 +15,10 @@ guided_json / guided_regex / guided_choice / guided_grammar, and tools with tool
 
 Architecture: the engine is not thread-safe, so exactly one thread steps it: the EngineWorker's loop
 (minillm/engine/worker.py), which `serve` runs on its main thread, the one that loaded the model, while
-uvicorn runs on a second thread (why the thread matters on a CPU: worker.py's docstring). This module is the HTTP side: it validates, tokenises, submits a
-Request to the worker and streams the Deltas it sends back, aborting the request when its
-client goes away. Every concurrent HTTP request therefore shares one batch: the scheduler
-admits new requests at the next step, exactly as it does offline.
+uvicorn runs on a second thread (why the thread matters on a CPU: worker.py's docstring). This module
+is the HTTP side: it validates, tokenises, submits a Request to the worker and streams the Deltas it
+sends back, aborting the request when its client goes away. Every concurrent HTTP request therefore
+shares one batch: the scheduler admits new requests at the next step, exactly as it does offline.
 """
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ split a TTFT into waiting and computing.
 Two more views of the same load:
     engine alone   the random workload's requests through minillm's engine in this process, no HTTP: a closed loop
                    that keeps `concurrency` requests in the engine (a new one as one finishes), as the generator does.
-                   minillm serve's tok/s over this is the server's share (summary: server_share per point).
+                   minillm serve's tok/s over this (minillm_over_engine_alone_output_tok_s per point) is what the
+                   server keeps of the engine's speed.
     GuideLLM       a second generator (GUIDELLM_VERSION, its own venv beside vLLM's), its concurrent profile at
                    GUIDELLM_STREAMS against each server: synthetic 128-token prompts, 64 output tokens (it asks for
                    ignore_eos itself), /v1/completions streamed. Its ITL is vLLM's TPOT (it excludes the first token).
@@ -235,9 +236,8 @@ def engine_alone(llm, concurrency: int, prompts: int, output_len: int, seed: int
                 done.append(req)
     elapsed = time.time() - start
     llm.reset_prefix_cache()
-    ttft = [1000 * (r.metrics.first_token_time - r.metrics.arrival_time) for r in done]
-    tpot = [1000 * (r.metrics.finished_time - r.metrics.first_token_time) / (len(r.output_token_ids) - 1)
-            for r in done if len(r.output_token_ids) > 1]
+    ttft = [1000 * r.metrics.time_to_first_token for r in done]
+    tpot = [1000 * r.metrics.time_per_output_token for r in done if r.metrics.time_per_output_token is not None]
     return {"completed": len(done), "output_tok_s": sum(len(r.output_token_ids) for r in done) / elapsed,
             "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99)),
             "tpot_p50_ms": float(np.percentile(tpot, 50)) if tpot else None,
@@ -376,7 +376,8 @@ def run(quick: bool, json_path: str | None = None) -> dict:
         if p["workload"] == "random":                                         # the server's share of the time
             for key in ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms"):
                 row[f"engine_alone_{key}"] = _median([x[key] for x in alone[i]])
-            row["minillm_over_engine_alone_output_tok_s"] = row["minillm_output_tok_s"] / row["engine_alone_output_tok_s"]
+            alone_tok_s = row["engine_alone_output_tok_s"]
+            row["minillm_over_engine_alone_output_tok_s"] = row["minillm_output_tok_s"] / alone_tok_s
         rows.append(row)
     guidellm = []
     for i, streams in enumerate(cfg["guidellm_streams"]):
