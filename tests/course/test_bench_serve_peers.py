@@ -97,3 +97,11 @@ def test_engine_alone_keeps_at_most_the_concurrency_in_the_engine_and_finishes_e
     assert max(in_engine) == 3 and not llm.engine.has_unfinished()
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_guidellm_run_that_fails_is_reported_with_its_stderr_and_the_server_log(tmp_path, monkeypatch):
+    crash = [sys.executable, "-c", "import sys; sys.exit('no such backend')"]
+    monkeypatch.setattr(serve_peers, "guidellm_command", lambda *args: crash)
+    server = type("FakeServer", (), {"name": "minillm", "url": "http://127.0.0.1:1", "tail": lambda self: "log tail"})()
+    with pytest.raises(RuntimeError, match="guidellm against minillm failed(.|\n)*no such backend(.|\n)*log tail"):
+        serve_peers.drive_guidellm(server, tmp_path, 2, 4, 8)
