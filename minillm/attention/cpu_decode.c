@@ -15,32 +15,11 @@
    Layouts (contiguous): q (B, Hq, D); k_cache, v_cache (num_blocks, block_size, Hkv, D) in fp32 or
    bf16 (dtype); block_tables (B, n) int32; seq_lens (B,) int32, each >= 1; out (B, Hq, D).
    window > 0: each row sees only its last `window` keys (the blocks before them are not read). */
-#include <stdint.h>
-#include <string.h>
+#include "vec16.h"
 
 #define MAX_G 16            /* query heads per KV head */
 #define MAX_V 16            /* head size: up to 16 vectors of 16 */
 #define MAX_BLOCK 256       /* keys per cache block */
-
-typedef float vf __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-
-enum { F32 = 0, BF16 = 1 };
-
-static inline vf load16(const char *p, int dtype) {       /* 16 numbers at p -> fp32 (bf16: the top half) */
-    if (dtype == BF16) {
-        vh h;
-        memcpy(&h, p, sizeof h);
-        vu u = __builtin_convertvector(h, vu) << 16;
-        vf f;
-        memcpy(&f, &u, sizeof f);
-        return f;
-    }
-    vf f;
-    memcpy(&f, p, sizeof f);
-    return f;
-}
 
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
@@ -49,14 +28,6 @@ static inline float hsum(vf x) {                 /* a tree of adds: 4 steps, not
     vf8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
     vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-static inline uint16_t float_to_bf16(float f) {       /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);   /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
 }
 
 /* e^x in fp32 within 2 ulp, written so that it vectorises (libm's expf is one call per number): x = n ln2 + r

@@ -9,9 +9,8 @@ index with a bounds check per key, and read each key and value once per query he
 hand-written loop reads each key and value row once for the whole group and only up to each row's own
 length, so one call takes every decode row however their lengths differ (cpu_decode.c's comment).
 
-The library is compiled with the C compiler Inductor uses too (`cc`; -O3 -march=native -fopenmp, no
-torch headers: under a second), once per source and CPU, into the model cache (loader.cache_dir()/kernels).
-Where it cannot be built, kernel() says why and the engine keeps the compiled PyTorch kernel
+The library is built once per source and CPU into the model cache (loader.cache_dir()/kernels) by
+kernel_support/c_library.py. Where it cannot be built, kernel() says why and the engine keeps the compiled PyTorch kernel
 (attention.backends.choose_backend). A GPU runs kernels/paged_attention.py's Triton kernel instead.
 
 The engine calls it as the op minillm::cpu_decode_attention, so that the torch profiler (bench profile,
@@ -21,56 +20,29 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from minillm.kernel_support import c_library
+
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}     # cpu_decode.c's F32, BF16
 MAX_G, MAX_D, MAX_BLOCK = 16, 256, 256             # cpu_decode.c's limits (query heads per KV head, head size, block)
-
-
-def cpu_flags() -> str:
-    """This CPU's instruction sets: -march=native compiles for them, and a library built on another CPU
-    could use instructions this one lacks."""
-    try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return os.uname().machine
 
 
 def library_path() -> Path:
     from minillm.loading.loader import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + cpu_flags().encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"cpu_decode-{key}.so"
+    return cache_dir() / "kernels" / c_library.library_name(SOURCE)
 
 
 @functools.cache
 def kernel() -> tuple[ctypes.CDLL | None, str | None]:
     """-> (the loaded library, None), or (None, why it could not be built or loaded)."""
-    path = library_path()
-    if not path.exists():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                built = Path(tmp) / path.name
-                done = subprocess.run([os.environ.get("CC", "cc"), *FLAGS, str(SOURCE), "-o", str(built)],
-                                      capture_output=True, text=True, timeout=120)
-                if done.returncode != 0:
-                    return None, f"cc failed: {(done.stderr.strip().splitlines() or ['no message'])[-1]}"
-                os.replace(built, path)                                   # whole or not at all, if two build at once
-        except (OSError, subprocess.TimeoutExpired) as e:                 # no compiler, or the cache not writable
-            return None, f"could not build {path.name}: {e}"
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        return None, f"could not load {path.name}: {e}"
+    lib, why = c_library.load(SOURCE, library_path())
+    if lib is None:
+        return None, why
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.decode_attention.argtypes = [ptr] * 6 + [ctypes.c_int] + [i64] * 7 + [ctypes.c_float, i64, ctypes.c_int]
     lib.decode_attention.restype = ctypes.c_int

@@ -17,11 +17,13 @@ What differs between the ways the engine runs this layer is data, not code:
   latent cache, and the latent outputs mapped to the heads' values afterwards); a mixture-of-experts
   layer's gate_up is the whole MLP (a moe.MoE: route, run the chosen experts, add) and its down is None.
 - `attention`: a closure over the step's attention metadata (model/runner.py).
-- compiled or not, on CPU: a step whose only row is one decode token runs this same function under
-  torch.compile with its attention inside (compiled_decode_layer below: each layer becomes a few
-  generated loops); a step of more rows runs it under torch.compile too, with the attention call
-  left out of the graph (compiled_layer: the pieces between attention calls are compiled, vLLM's
-  piecewise compilation; attention runs as its backend wrote it). The eager run is op by op.
+- compiled or not, on CPU: a small step (up to 8 rows: decode tokens, a speculative verification, a
+  short prompt) runs this same function under torch.compile with its attention inside
+  (compiled_decode_layer below: each layer becomes a few generated loops and, for 2 or more rows, calls
+  of the few-row GEMM kernel, model/cpu_gemm.c); a step of more rows runs it under torch.compile too,
+  with the attention call left out of the graph (compiled_layer: the pieces between attention calls
+  are compiled, vLLM's piecewise compilation; attention runs as its backend wrote it). The eager run is
+  op by op.
 """
 from __future__ import annotations
 
@@ -157,12 +159,12 @@ def paged_decode_layer(h: torch.Tensor, weights: tuple, cos: torch.Tensor, sin: 
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
                        n_heads: int, n_kv_heads: int, eps: float, window: int | None = None) -> torch.Tensor:
-    """decoder_layer for a step whose every row is one decode token, with RoPE by cos, sin (N, 1, D/2)
-    and its attention spelled out
-    for torch.compile: each row's k, v written at its slot, then decode attention over the row's
-    blocks read in place (attention.paged.decode_attention_fused). k_cache, v_cache (num_blocks,
-    block_size, Hkv, D): this layer's cache; slots (N,), block_tables (N, n), seq_lens (N,) int64;
-    window: the model's sliding window (None: full attention)."""
+    """decoder_layer for a small step, every row a query of its own (a decode token, or one token of a short
+    run such as a speculative verification), with RoPE by cos, sin (N, 1, D/2) and its attention spelled out
+    for torch.compile: each row's k, v written at its slot, then each row attends to its blocks' keys up to
+    its own length, read in place. k_cache, v_cache (num_blocks, block_size, Hkv, D): this layer's cache;
+    slots (N,), block_tables (N, n), seq_lens (N,) int64; window: the model's sliding window (None: full
+    attention). The attention is attention.paged.decode_attention_fused: loops Inductor generates, in the graph."""
     from minillm.attention.paged import decode_attention_fused
 
     def attention(q, k, v):

@@ -21,9 +21,11 @@ for an int8/fp8 cache), reading the step's metadata built here once (build_batch
 
 How the layer runs is chosen once, here, from what the model is: its weights prepacked for the CPU
 GEMM libraries, int8/int4 packs for a quantised model, the module itself otherwise (eager_weights);
-a step whose only row is one decode token runs the same layer under torch.compile
-(layer.compiled_decode_layer, NEW: compiled decode step) over a copy of the float weights laid out
-for one-token GEMVs (transforms.gemv_blocks); a step of more rows over prepacked weights runs it
+a small step (at most SMALL_STEP_ROWS rows: decode tokens of a few requests, a speculative
+verification, a short prompt; each row attends as a query of its own) runs the same layer under
+torch.compile (layer.compiled_decode_layer, NEW: compiled small step) over a copy of the float weights
+in row blocks (transforms.gemv_blocks), which one row reads by generated GEMV loops and several rows
+by the few-row GEMM kernel (model/cpu_gemm.c); a step of more rows over prepacked weights runs it
 under torch.compile as well, attention left out of the graph (layer.compiled_layer, NEW: compiled
 batched step); on a GPU a step whose every row is one decode token replays a CUDA graph
 (minillm/model/cuda_graphs.py).
@@ -39,7 +41,8 @@ import torch
 from minillm.attention.backends import Run, choose_backend, make_backend
 from minillm.attention.paged import block_table_tensor, copy_blocks, gather_blocks, gather_kv, store_kv_reference
 from minillm.kernel_support.args import INTERPRETED
-from . import prepacked
+from . import cpu_gemm, prepacked
+from .cpu_gemm import BlockedLinear
 from .layer import (compiled_decode_layer, compiled_head, compiled_layer, compiled_or_eager, decoder_layer, gemv,
                     paged_decode_layer)
 from .llama import Llama, ModelConfig
@@ -50,6 +53,7 @@ from .transforms import gemv_blocks, is_fused
 
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+SMALL_STEP_ROWS = cpu_gemm.MAX_ROWS     # a step of at most this many rows is a small step (build_batch's row tables)
 
 
 class PagedKVCache:
@@ -193,6 +197,8 @@ class PagedBatch:
     grouped_runs: list             # [attention.Run] runs of T > 1 inside decode_groups (speculative drafts)
     window: int | None = None      # the sliding window the decode groups' masks apply (None: full attention)
     feature_rows: torch.Tensor | None = None   # (F,) rows whose top-layer features are returned too (EAGLE drafts)
+    row_tables: torch.Tensor | None = None     # (N, n) int64 each row's block table, for a small step (None: N > SMALL_STEP_ROWS)
+    row_lens: torch.Tensor | None = None       # (N,) int64 keys each row sees (its position + 1), for the same
 
 
 def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_logits: list[str],
@@ -205,6 +211,8 @@ def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_lo
     window: the model's sliding window, which the decode groups' masks apply."""
     tokens, positions, slots, logits_rows, feature_rows = [], [], [], [], []
     dec_rows, dec_lens, dec_tables, prefills = [], [], [], []
+    small = sum(len(new) for new, *_ in runs) <= SMALL_STEP_ROWS
+    row_tables = []                                  # a small step: every row a query of its own
     short = []                                       # (row, T, start, table): runs for the CPU groups
     row = 0
     for i, ((new, start, table, new_slots), want) in enumerate(zip(runs, want_logits)):
@@ -219,6 +227,8 @@ def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_lo
         elif want == "last":
             logits_rows.append(row + T - 1)
         table = table[:math.ceil((start + T) / block_size)]
+        if small:
+            row_tables += [table] * T
         if T == 1:
             dec_rows.append(row)
             dec_lens.append(start + 1)
@@ -233,12 +243,16 @@ def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_lo
         for members in group_by_length([len(short[i].table) for i in range(len(short))], group_cost):
             groups.append(_decode_group([short[i] for i in members], block_size, device, window))
     as_long = dict(dtype=torch.long, device=device)
+    small_step = {}
+    if small:                                        # row t of a run at `start` sees keys 0 .. start + t
+        small_step = dict(row_tables=block_table_tensor(row_tables, device).long(),
+                          row_lens=torch.tensor(positions, **as_long) + 1)
     return PagedBatch(torch.tensor(tokens, **as_long), torch.tensor(positions, **as_long),
                       torch.tensor(slots, **as_long), torch.tensor(logits_rows, **as_long),
                       torch.tensor(dec_rows, **as_long), block_table_tensor(dec_tables, device),
                       torch.tensor(dec_lens, dtype=torch.int32, device=device), groups, prefills,
                       [r for r in short if r.length > 1], window,
-                      torch.tensor(feature_rows, **as_long) if feature_rows else None)
+                      torch.tensor(feature_rows, **as_long) if feature_rows else None, **small_step)
 
 
 def _decode_group(members: list[Run], block_size: int, device, window: int | None = None) -> DecodeGroup:
@@ -300,11 +314,12 @@ class ModelRunner:
         (minillm/model/prepacked.py; the engine passes max_num_seqs); None: plain F.linear.
         tune_kernels: the build's one timing step: MKL against oneDNN per weight shape
         (prepacked.choose_libraries); False: the recorded defaults. What was chosen: self.gemm_libraries.
-        compile_steps: on CPU, a step whose only row is one decode token runs the same layer under
-        torch.compile (layer.compiled_decode_layer) over the weights as int8/int4 packs or, float
-        ones, as a copy in row blocks (transforms.gemv_blocks), W8A8 ones as StackedW8A8; a step of more
-        rows, where every projection is prepacked or W8A8, runs it under torch.compile with attention
-        outside the graph (layer.compiled_layer).
+        compile_steps: on CPU, a small step runs the same layer under torch.compile
+        (layer.compiled_decode_layer) over the weights as int8/int4 packs or, float ones, as a copy in
+        row blocks (transforms.gemv_blocks), W8A8 ones as StackedW8A8: up to SMALL_STEP_ROWS rows where the
+        few-row GEMM kernel builds and takes the float blocks (cpu_gemm.BlockedLinear), else one row
+        (small_step_rows); a step of more rows, where every projection is prepacked or W8A8, runs it
+        under torch.compile with attention outside the graph (layer.compiled_layer).
         triton_on_cpu: run the GPU path (Triton store + paged decode kernel) on CPU tensors under
         TRITON_INTERPRET=1, so that tests on a CPU machine cover what a GPU runs.
         attention_backend: how prefill runs attend (model.ATTENTION_BACKENDS); the paged backend itself
@@ -316,7 +331,7 @@ class ModelRunner:
             raise ValueError("triton_on_cpu=True needs TRITON_INTERPRET=1 in the environment before minillm "
                              "is imported (the Triton kernels run on CPU only in the interpreter)")
         self.graphs = None                      # NEW: CUDA graphs; a cuda_graphs.DecodeGraphs set by the engine
-        self.compiled_decode_steps = 0          # tests prove the compiled decode step ran
+        self.compiled_decode_steps = 0          # tests prove the compiled small step ran
         self.compiled_batched_steps = 0         # ... and the compiled batched step
         self.compile_failed: str | None = None  # why torch.compile could not build here: eager from then on
         self.window = model.cfg.sliding_window  # each row sees its last `window` keys (Mistral); None: all
@@ -327,6 +342,7 @@ class ModelRunner:
             self.gemm_libraries = prepacked.choose_libraries(self._prepackable_weights(), prepack_rows, tune_kernels)
         self.layer_weights, self.packed_head = self._eager_weights(prepack_rows, self.gemm_libraries)
         self.decode_weights = self.decode_head = None   # the compiled step's layers and tied head (row blocks)
+        self.small_step_rows = 1                        # the most rows a step may have to run compiled
         if compile_steps and self.attention.name in ("cpu", "cpu-fused"):
             self.decode_weights, self.decode_head = self._compiled_weights()
         self.compile_batched = compile_steps and self._graph_projections()
@@ -394,7 +410,7 @@ class ModelRunner:
         return out, packed_head
 
     def _compiled_weights(self) -> tuple[list | None, torch.Tensor | None]:
-        """-> per layer the weights of the compiled decode step, and the tied LM head (None: untied).
+        """-> per layer the weights of the compiled small step, and the tied LM head (None: untied).
         A float model whose fused projections are bias-free nn.Linears: copies in row blocks, the head
         too (transforms.gemv_blocks, NEW); a quantised one: its int8/int4 packs and the head as it is;
         (None, None) where a projection is neither."""
@@ -420,6 +436,9 @@ class ModelRunner:
         if self.fused:                                                    # all copies in one buffer
             slots = [(layer, j) for layer in layers for j in (1, 2, 4, 5)]
             blocks = gemv_blocks([layer[j] for layer, j in slots] + ([head] if head is not None else []))
+            if all(cpu_gemm.usable(b) for b in blocks):                   # NEW: the few-row kernel, up to 8 rows
+                blocks = [BlockedLinear(b) for b in blocks]
+                self.small_step_rows = SMALL_STEP_ROWS
             for (layer, j), b in zip(slots, blocks):
                 layer[j] = b
             head = blocks[-1] if head is not None else None
@@ -454,12 +473,14 @@ class ModelRunner:
         """-> logits (K, V) of batch.logits_rows."""
         if self.graphs is not None and self.graphs.fits(batch):         # NEW: CUDA graphs, decode-only steps
             return self.graphs.run(batch)
-        if self._compiled_decode_fits(batch):                           # NEW: compiled decode step
-            return self._decode_logits(self._decode_layers(batch))
+        if self._compiled_decode_fits(batch):                           # NEW: compiled small step
+            return self._decode_logits(self._decode_layers(batch)[batch.logits_rows])
         return self.forward_eager(batch)
 
     def _compiled_decode_fits(self, batch: PagedBatch) -> bool:
-        return self.decode_weights is not None and _one_decode_row(batch) and self.compile_failed is None
+        """The step is a small one the compiled step takes: at most small_step_rows rows."""
+        return (self.decode_weights is not None and batch.row_lens is not None
+                and batch.tokens.shape[0] <= self.small_step_rows and self.compile_failed is None)
 
     @torch.no_grad()
     def forward_eager(self, batch: PagedBatch) -> torch.Tensor:
@@ -470,9 +491,9 @@ class ModelRunner:
     def forward_with_features(self, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """NEW: EAGLE -> logits (K, V) of batch.logits_rows and the features (F, dim) of batch.feature_rows: the
         hidden states after the final norm, what the LM head reads and an EAGLE head drafts from."""
-        if self._compiled_decode_fits(batch):                           # a step without drafts: one row
-            h = self._decode_layers(batch)                               # (1, dim)
-            return self._decode_logits(h), self.model.norm(h[batch.feature_rows])
+        if self._compiled_decode_fits(batch):                           # NEW: compiled small step
+            h = self._decode_layers(batch)                               # (N, dim)
+            return self._decode_logits(h[batch.logits_rows]), self.model.norm(h[batch.feature_rows])
         h = self.forward_layers(self.model.embed(batch.tokens), batch)   # (N, dim)
         return self._logits(h, batch), self.model.norm(h[batch.feature_rows])
 
@@ -519,31 +540,44 @@ class ModelRunner:
 
     @torch.no_grad()
     def _decode_layers(self, batch: PagedBatch) -> torch.Tensor:
-        """One decode token through every layer by the compiled layer.paged_decode_layer (eagerly,
-        where compiling fails) -> h (1, dim) before the final norm. The block table is padded to at least 2
-        blocks (a repeat past seq_len, masked): torch would specialise a size of 1 into a graph of its own."""
+        """A small step (1 .. small_step_rows rows) through every layer by the compiled layer.paged_decode_layer
+        (eagerly, where compiling fails) -> h (N, dim) before the final norm. Every row is a query of its own:
+        its K/V is stored first, then it attends to its request's keys up to its own position (row_lens), so
+        a decode token, a speculative verification and a short prefill chunk are the same computation. One
+        graph for one row, one for 2 .. small_step_rows (the row count marked symbolic). The block tables are
+        padded to at least 2 blocks (a repeat past the row's length, masked): torch would specialise a size of
+        1 into a graph of its own."""
         cfg = self.model.cfg
-        tables = batch.decode_tables.long()                              # (1, n)
-        tables = tables if tables.shape[1] > 1 else tables.repeat(1, 2)  # (1, n >= 2)
+        tables = batch.row_tables                                        # (N, n)
+        tables = tables if tables.shape[1] > 1 else tables.repeat(1, 2)  # (N, n >= 2)
         torch._dynamo.maybe_mark_dynamic(tables, 1)
         k_caches, v_caches = self.kv.k.unbind(0), self.kv.v.unbind(0)   # L x (num_blocks, bs, Hkv, D) views
         for cache in (k_caches[0], v_caches[0]):                         # the pool's size differs per engine
             torch._dynamo.maybe_mark_dynamic(cache, 0)
-        cos, sin = self._cos_sin(batch.positions)                        # (1, 1, D/2) each
-        h = self.model.embed.weight.detach()[batch.tokens]               # (1, dim) gathered: not a view
+        cos, sin = self._cos_sin(batch.positions)                        # (N, 1, D/2) each
+        h = self.model.embed.weight.detach()[batch.tokens]               # (N, dim) gathered: not a view
+        rows = (h, cos, sin, batch.slot_mapping, tables, batch.row_lens)
+        if h.shape[0] > 1:
+            for t in rows:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         for i, weights in enumerate(self.decode_weights):
             h = self._run(compiled_decode_layer, paged_decode_layer, h, weights, cos, sin, k_caches[i], v_caches[i],
-                          batch.slot_mapping, tables, batch.decode_lens.long(), cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps,
+                          batch.slot_mapping, tables, batch.row_lens, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps,
                           self.window)
         self.compiled_decode_steps += 1
         return h
 
     def _decode_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h (1, dim) of the compiled decode step -> logits (1, V)."""
+        """h (K, dim) of the compiled small step's logits rows -> logits (K, V)."""
         if self.model.lm_head is not None:                               # an untied or quantised head
-            return self.model.logits(h)                                  # (1, V)
-        x = self.model.norm(h)[0]                                        # (dim,)
-        return self._run(compiled_head, gemv, self.decode_head, x)[None]  # (1, V): the tied head as one GEMV
+            return self.model.logits(h)                                  # (K, V)
+        x = self.model.norm(h)                                           # (K, dim)
+        if x.shape[0] == 0:                                              # a prefill chunk that is not a prompt's last
+            return x.new_empty(0, self.model.cfg.vocab_size)
+        if x.shape[0] > 1:                                               # the runner makes K > 1 only with the kernel
+            return self.decode_head(x)                                   # (K, V): the tied head by the few-row kernel
+        blocks = getattr(self.decode_head, "blocks", self.decode_head)
+        return self._run(compiled_head, gemv, blocks, x[0])[None]        # (1, V): the tied head as one GEMV
 
 
 @functools.cache
@@ -553,11 +587,6 @@ def attention_outside_graph():
     from minillm.attention.backends import TorchBackend
 
     return torch.compiler.disable(TorchBackend.forward_outside_graph)
-
-
-def _one_decode_row(batch: PagedBatch) -> bool:
-    """The step is a single decode token (one request, one row): what the compiled step runs."""
-    return batch.tokens.shape[0] == 1 and batch.decode_rows.numel() == 1
 
 
 def _packs(modules, model: Llama):

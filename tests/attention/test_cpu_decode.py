@@ -89,20 +89,20 @@ def test_where_it_cannot_be_built_it_says_why_and_the_engine_keeps_the_compiled_
 def test_the_engine_attends_every_decode_row_in_one_call_with_the_torch_backends_tokens():
     cfg = tiny_config()
     llm = LLM(model=random_model(cfg, seed=0), tokenizer=CharTokenizer(), device="cpu", max_model_len=256,
-              max_num_seqs=6, max_num_batched_tokens=48)
+              max_num_seqs=12, max_num_batched_tokens=48)                # 12 rows: more than a small step takes
     runner = llm.engine.runner
     assert choose_backend(runner.kv, False, cfg.n_heads) == runner.attention.name == "cpu"
     assert llm.engine.decode_group_cost is None                         # no groups by length
     calls = []
     decode = runner.attention.decode
     runner.attention.decode = lambda q, *rest: calls.append(q.shape[0]) or decode(q, *rest)
-    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 40, 9, 25, 70, 1], cfg.vocab_size)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 40, 9, 25, 70, 1] * 2, cfg.vocab_size)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert max(calls) == 6 and len(calls) >= 10 * cfg.n_layers          # all six rows at once, in every layer
+    assert max(calls) == 12 and len(calls) >= 10 * cfg.n_layers         # all twelve rows at once, in every layer
     runner.attention = make_backend("torch", runner.kv)                 # gather + SDPA, in groups by length
     llm.engine.decode_group_cost = 16
-    runner.decode_weights = None                                        # (the one-row compiled step is the same in both)
+    runner.decode_weights = None                                        # (the compiled small step is the same in both)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     llm.close()

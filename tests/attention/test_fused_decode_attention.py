@@ -55,14 +55,14 @@ def tiny_llm(**kwargs):
 
 
 def test_engine_runs_the_fused_decode_attention_and_gives_the_gather_paths_tokens():
-    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 40, 9, 25, 70, 1], 200)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 40, 9, 25, 70, 1] * 2, 200)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    llm = tiny_llm(max_num_seqs=6)
+    llm = tiny_llm(max_num_seqs=12)                                     # 12 rows: more than a small step takes
     runner = llm.engine.runner
     fused, compiled_weights = make_backend("cpu-fused", runner.kv), runner.decode_weights   # the C kernel's fallback
     llm.engine.decode_group_cost = GROUP_COST_BLOCKS                    # both backends take groups by length
     runner.attention = make_backend("torch", runner.kv)                 # gather + SDPA
-    runner.decode_weights = None                                        # (the compiled one-row step reads in place too)
+    runner.decode_weights = None                                        # (the compiled small step reads in place too)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert fused.fused_calls == 0
     runner.attention, runner.decode_weights = fused, compiled_weights

@@ -15,18 +15,20 @@ import torch
 from helpers import TEACHING_STAGES, CharTokenizer, modules_entered, random_prompts, symbols_created
 from minillm import LLM, SamplingParams
 from minillm.model.llama import random_model, tiny_config
+from minillm.model.cpu_gemm import BlockedLinear
 from minillm.model.runner import ModelRunner
 from minillm.stages.reference import stream_contiguous
 
 BELOW_THE_RUNNER = {"minillm.model.runner", "minillm.model.layer", "minillm.model.positions", "minillm.model.llama", "minillm.model.prepacked",
-                    "minillm.attention.backends", "minillm.attention.paged", "minillm.attention.cpu_decode"}
+                    "minillm.attention.backends", "minillm.attention.paged", "minillm.attention.cpu_decode",
+                    "minillm.model.cpu_gemm"}
 
 
 @pytest.fixture(scope="module")
 def warmed():
     cfg = tiny_config()
     llm = LLM(model=random_model(cfg, seed=0), tokenizer=CharTokenizer(), max_model_len=128)
-    prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 30, 12], cfg.vocab_size)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([12, 30, 7], cfg.vocab_size)]   # the first > SMALL_STEP_ROWS
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)                     # compiles, allocates
     llm.generate(prompts[:1], params, use_tqdm=False)
@@ -38,9 +40,11 @@ def test_one_prompt_many_prompts_and_stream_enter_the_same_modules(warmed):
     one = modules_entered(lambda: llm.generate(prompts[:1], params, use_tqdm=False))
     many = modules_entered(lambda: llm.generate(prompts, params, use_tqdm=False))
     streamed = modules_entered(lambda: list(llm.stream(prompts[0], params)))
-    # a lone decode row attends inside the compiled step's graph (attention.paged.decode_attention_fused), the
-    # decode rows of several requests in one call of the backend's kernel (attention.cpu_decode): the one difference
-    assert one == streamed and many - one <= {"minillm.attention.cpu_decode"} and one <= many
+    # a small step (a lone decode row, or the three requests' decodes) runs in the compiled step's graph, the
+    # projections of one row as generated loops, of several by the few-row kernel (model.cpu_gemm); a step that
+    # mixes a prefill with decodes attends its decode rows in one call of the backend's kernel
+    # (attention.cpu_decode): the differences
+    assert one == streamed and many - one <= {"minillm.attention.cpu_decode", "minillm.model.cpu_gemm"} and one <= many
     assert {"minillm.llm", "minillm.engine.engine", "minillm.engine.scheduler", "minillm.kvcache.block_manager",
             "minillm.model.runner", "minillm.model.layer", "minillm.engine.output_processor"} <= one
     assert not one & TEACHING_STAGES
@@ -103,9 +107,12 @@ def test_an_error_inside_the_compiled_step_is_the_steps_own(monkeypatch):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
-# The sizes the runner marks symbolic: the block table's width and the KV pool's block count (decode step), the
-# step's row count (batched step: its rows h, their RoPE cos and sin, the attention output between the pieces).
+# The sizes the runner marks symbolic: the block table's width and the KV pool's block count (small step), the
+# step's row count (small step of 2 or more rows: h, cos, sin, slots, block tables, seq_lens; batched step: its rows
+# h, their RoPE cos and sin, the attention output between the pieces).
 MARKED_SIZES = ("L['block_tables'].size()[1]", "L['k_cache'].size()[0]", "L['v_cache'].size()[0]", "L['h'].size()[0]",
+                "L['cos'].size()[0]", "L['sin'].size()[0]", "L['slots'].size()[0]", "L['block_tables'].size()[0]",
+                "L['seq_lens'].size()[0]",
                 "L['rope'].keywords['cos'].size()[0]", "L['rope'].keywords['sin'].size()[0]", "L['___stack0'].size()[0]")
 
 
@@ -146,7 +153,7 @@ def test_importing_the_library_does_not_import_the_compiler_and_a_decode_still_c
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n")[:2] == ["[]", "2 True"], done.stdout
+    assert done.stdout.split("\n")[:2] == ["[]", "3 True"], done.stdout     # the 3-token prompt is a small step too
 
 
 def test_options_the_compiler_refuses_run_the_fallback():
@@ -171,13 +178,15 @@ def test_the_compiled_step_reads_each_float_weight_as_a_copy_in_row_blocks_of_on
     runner, model = llm.engine.runner, llm.model
     R = 64 // torch.tensor([], dtype=dtype).element_size()
     layer = model.layers[0]
-    for blocks, linear in zip([runner.decode_weights[0][i] for i in (1, 2, 4, 5)],
+    projections = [runner.decode_weights[0][i] for i in (1, 2, 4, 5)] + [runner.decode_head]
+    assert all(isinstance(p, BlockedLinear) for p in projections)                 # read by the few-row kernel
+    for blocks, linear in zip([p.blocks for p in projections],
                               [layer.attn.wqkv, layer.attn.wo, layer.ffn.w_gate_up, layer.ffn.w_down]):
         out, n_in = linear.weight.shape
         assert blocks.shape == (out // R, n_in, R) and blocks.is_contiguous()
         assert torch.equal(blocks.transpose(1, 2).reshape(out, n_in), linear.weight)
         assert blocks.data_ptr() != linear.weight.data_ptr()                       # a copy: the original stays
-    assert torch.equal(runner.decode_head.transpose(1, 2).reshape(cfg.vocab_size, cfg.dim), model.embed.weight)
+    assert torch.equal(runner.decode_head.blocks.transpose(1, 2).reshape(cfg.vocab_size, cfg.dim), model.embed.weight)
     if dtype == torch.float32:
         prompt = {"prompt_token_ids": random_prompts([9], cfg.vocab_size, seed=3)[0]}
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -235,18 +244,18 @@ def test_the_row_blocks_live_in_huge_pages_where_linux_gives_them():
 
 
 def test_a_batched_step_runs_the_compiled_layer_with_the_tokens_of_the_eager_one(fresh_compile_caches):
-    """Steps of several rows (prefill chunks beside decodes, then decodes alone) run layer.compiled_layer, whose
-    graphs hold everything but attention: the same fp32 tokens as the eager layer, and one set of graphs for
-    every row count (the rows are the one symbolic size)."""
+    """Steps of more rows than a small step (prefill chunks beside decodes, then 9-12 decodes alone) run
+    layer.compiled_layer, whose graphs hold everything but attention: the same fp32 tokens as the eager layer, and
+    one set of graphs for every row count (the rows are the one symbolic size)."""
     from torch._dynamo.utils import counters
 
     cfg = tiny_config()
-    llm = LLM(model=random_model(cfg, seed=3), tokenizer=CharTokenizer(), max_model_len=128, max_num_seqs=4,
+    llm = LLM(model=random_model(cfg, seed=3), tokenizer=CharTokenizer(), max_model_len=128, max_num_seqs=12,
               max_num_batched_tokens=24)
     runner = llm.engine.runner
     assert runner.compile_batched                                              # every projection is prepacked
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 30, 12, 21], cfg.vocab_size, seed=5)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 30, 12, 21] * 3, cfg.vocab_size, seed=5)]
     compiled = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     steps, graphs = runner.compiled_batched_steps, counters["stats"]["unique_graphs"]
     assert steps > 10

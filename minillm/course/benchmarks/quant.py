@@ -382,7 +382,7 @@ def int8_gemm(quick: bool) -> dict:
     """torch._int_mm (int8 x int8 -> int32) against the bf16 GEMM (F.linear) at SmolLM2's gate-up shape
     (M, 576) x (576, 3072), GFLOP/s, medians; and which 8-bit integer instructions the CPU lists
     (/proc/cpuinfo: AVX-512 VNNI, AVX-VNNI, AMX-INT8). Which of them torch's kernel uses is its own choice."""
-    from minillm.attention.cpu_decode import cpu_flags
+    from minillm.kernel_support.c_library import cpu_flags
     from minillm.perf.timing import time_median
 
     flags = cpu_flags().split()
