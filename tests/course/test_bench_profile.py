@@ -9,6 +9,7 @@ from minillm.course.benchmarks import profile
     ("aten::mm", "weight matmuls"), ("aten::_weight_int4pack_mm_for_cpu", "weight matmuls"),
     ("quantized::int4mm_packed_weight_cpu", "weight matmuls"), ("mkl::_mkl_linear", "weight matmuls"),
     ("mkldnn::_linear_pointwise", "weight matmuls"), ("minillm::prepacked_linear", "weight matmuls"),
+    ("minillm::blocked_gemm", "weight matmuls"),
     ("minillm::cpu_decode_attention", "attention"),
     ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"), ("aten::bmm", "attention"),
     ("## Call CompiledFxGraph fmmkizse5bcmrqv", "compiled code"), ("Torch-Compiled Region: 1/1", "compiled code"),

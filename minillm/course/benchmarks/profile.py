@@ -9,7 +9,8 @@ profiler. A short prompt and many new tokens, so the prompt is a small share; it
 
 Every op's *self* time (its own time, children excluded, so nothing is counted twice) goes to one class:
 
-    weight matmuls   aten mm / addmm / mv / linear / mkldnn, the int8 / int4 packed-weight kernels
+    weight matmuls   aten mm / addmm / mv / linear / mkldnn, the int8 / int4 packed-weight kernels, the prepacked
+                     GEMM and the few-row kernel (minillm ops)
     attention        torch's fused SDPA, bmm / baddbmm, softmax
     compiled code    the self time of a torch.compile region: the C++ loops Inductor generated (batch 1:
                      the norms, RoPE, row-wise GEMVs and attention of the compiled step; the engine: its
@@ -55,7 +56,8 @@ COMPILED = ("Torch-Compiled Region", "CompiledFxGraph", "## Call CompiledFxGraph
 
 
 def op_class(name: str) -> str:
-    if name in MATMUL or name.startswith(("mkldnn::", "mkl::", "aten::mkldnn", "quantized::", "minillm::prepacked_linear")):
+    if name in MATMUL or name.startswith(("mkldnn::", "mkl::", "aten::mkldnn", "quantized::", "minillm::prepacked_linear",
+                                          "minillm::blocked_gemm")):
         return "weight matmuls"
     if name in ATTENTION:
         return "attention"
