@@ -102,3 +102,40 @@ class BlockedLinear:
             from .layer import gemv
             return gemv(self.blocks, x[0])[None]                         # (1, out)
         return torch.ops.minillm.blocked_gemm(x, self.blocks)
+
+
+class RowBlockLinear(torch.nn.Module):
+    """An nn.Linear whose weight is laid out in row blocks and applied by the kernel, x (..., in) -> (..., out): for
+    a module run eagerly one token at a time (the EAGLE head's step), where the library GEMM at one row costs
+    several times the weight read."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        from .transforms import gemv_blocks
+
+        (self.blocks,) = gemv_blocks([weight.detach()])                   # (out/R, in, R)
+        self.bias = None if bias is None else bias.detach()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = blocked_gemm(x.reshape(-1, self.in_features), self.blocks).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def takes(weight: torch.Tensor) -> bool:
+    """The kernel can run this weight (out, in) once laid out in row blocks, and it builds here."""
+    return (weight.device.type == "cpu" and weight.dtype in DTYPES and weight.dim() == 2
+            and weight.shape[0] % (64 // weight.element_size()) == 0 and kernel()[0] is not None)
+
+
+def with_row_blocks(module: torch.nn.Module) -> int:
+    """Replace every nn.Linear inside module whose weight the kernel takes by a RowBlockLinear (a load-time
+    transform; the module's outputs change only by summation order) -> how many were replaced."""
+    replaced = 0
+    for name, child in list(module.named_children()):
+        if type(child) is torch.nn.Linear and takes(child.weight):
+            setattr(module, name, RowBlockLinear(child.weight, child.bias))
+            replaced += 1
+        else:
+            replaced += with_row_blocks(child)
+    return replaced

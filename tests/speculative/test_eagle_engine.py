@@ -123,6 +123,28 @@ def test_the_incremental_cache_drafts_what_the_head_drafts_from_scratch(setup):
     assert again == draft.propose(seq[:end], 3, params, None)[0] == head.propose(feats[:end - 1], seq[:end], 3)
 
 
+def test_in_the_engine_the_head_runs_its_projections_by_the_few_row_kernel(setup):
+    """On a CPU the engine lays the head's projections and draft LM head out in row blocks (use_row_blocks): the
+    predicted features and draft logits equal the plain head's up to summation order, and the drafts are the same."""
+    from minillm.model import cpu_gemm
+
+    target, head, path = setup
+    if cpu_gemm.kernel()[0] is None:
+        pytest.skip(f"no few-row kernel here: {cpu_gemm.kernel()[1]}")
+    spec = make_llm(target, speculative_method="eagle", speculative_model=path, num_speculative_tokens=3)
+    fast = spec.engine.speculation.head
+    assert isinstance(fast.fc, cpu_gemm.RowBlockLinear) and isinstance(fast.block.ffn.w_down, cpu_gemm.RowBlockLinear)
+    assert fast.draft_lm is not None and head.draft_lm is None                    # the trained head is left as it was
+    seq = random_prompts([20], 256, seed=9)[0]
+    feats = target_features(target, torch.tensor([seq]))[0]                      # (L, dim)
+    with torch.no_grad():
+        want = head(feats[None], torch.tensor([seq[1:] + [seq[0]]]))             # (1, L, dim)
+        got = fast(feats[None], torch.tensor([seq[1:] + [seq[0]]]))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fast.draft_logits(got), head.draft_logits(want), atol=1e-3, rtol=1e-4)
+    assert fast.propose(feats[:-1], seq, 4) == head.propose(feats[:-1], seq, 4)
+
+
 def test_sampled_tokens_are_distributed_as_the_target():
     """T = 1 on a 16-token vocabulary with one EAGLE draft per step: the second token's distribution over 1500
     seeds must match the exact marginal p(x2) = sum_x1 p(x1) p(x2 | x1) computed from the model."""
