@@ -167,3 +167,61 @@ max_len, blocks = (512, 32) if QUICK else (1024, 64)     # room for one longest 
 small = LLM(model=llm.model, tokenizer=llm.get_tokenizer(), device=device, max_model_len=max_len, num_kv_blocks=blocks)
 s = run_engine(small, prompts, outputs)
 print(f"preemptions: {s['preempted']}, tokens identical: {s['tokens'] == cont['tokens']}")
+
+# %% [markdown]
+# ## 5. A step of a few rows: every row a query of its own
+#
+# One request verifying drafts, or a few requests decoding, is a step of 2 to 8 new tokens. It reads every weight
+# once whatever the rows, so it should cost about one row. The small step runs it through one compiled function per
+# layer, each row attending up to its own position (`row_lens`), with a kernel that reads each block of weights once
+# for all the rows (`minillm/model/cpu_gemm.c`); the batched step (library GEMMs, attention outside the graph) is how
+# these steps ran before (`runner.small_step_rows = 1` sends them there). Below: one request's last n cached
+# positions computed again as one run of n rows, both ways, live; then the committed `bench small-step` run.
+
+# %%
+import json
+from pathlib import Path
+from minillm.model.runner import build_batch
+
+engine, runner = llm.engine, llm.engine.runner
+(req,) = llm.make_requests([{"prompt_token_ids": prompts[0]}],
+                           SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True))
+engine.add_request(req)
+for _ in range(3):
+    engine.step()                                       # the prompt, then two decode steps
+bm = engine.block_manager
+
+def run_of(n):
+    """The request's last n cached positions as one run (their slots exist; the K/V written is what is there)."""
+    start = req.num_computed_tokens - n
+    run = (req.all_token_ids[start:start + n], start, bm.block_table(req.request_id),
+           bm.slot_mapping(req.request_id, start, start + n))
+    return build_batch([run], ["all"], bm.block_size, engine.kv.k.device, engine.decode_group_cost)
+
+def timed(batch, repeats=2 if QUICK else 10):
+    runner.forward(batch)                               # warm-up
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        logits = runner.forward(batch)
+    return 1000 * (time.perf_counter() - t0) / repeats, logits
+
+rows_small = runner.small_step_rows
+if rows_small == 1:
+    print(f"no few-row kernel here ({runner.compile_failed or 'see model/cpu_gemm.py'}): every step of 2+ rows is batched")
+with torch.no_grad():
+    for n in (1, 2, 4, 8):
+        batch = run_of(n)
+        small_ms, small = timed(batch)
+        runner.small_step_rows = 1                      # the batched step
+        batched_ms, batched = timed(batch)
+        runner.small_step_rows = rows_small
+        print(f"{n} row(s): small step {small_ms:5.1f} ms, batched step {batched_ms:5.1f} ms; "
+              f"max |logit difference| = {(small - batched).abs().max().item():.1e}")
+engine.abort_request(req.request_id)
+
+path = Path("../results/small-step-amd.json")
+if path.exists():
+    print("committed bench small-step run (AMD EPYC VM), ms per step, small / batched:")
+    for r in json.loads(path.read_text())["results"]:
+        print(f"  {r['dtype']:>8} {r['shape']:>12}: {r['small_ms']:5.1f} / {r['batched_ms']:5.1f} "
+              f"(step / one row: {r['small_vs_one_row']:.2f} / {r['batched_vs_one_row']:.2f})")

@@ -32,9 +32,7 @@ MAX_G, MAX_D, MAX_BLOCK = 16, 256, 256             # cpu_decode.c's limits (quer
 
 
 def library_path() -> Path:
-    from minillm.loading.loader import cache_dir
-
-    return cache_dir() / "kernels" / c_library.library_name(SOURCE)
+    return c_library.cache_path(SOURCE)
 
 
 @functools.cache

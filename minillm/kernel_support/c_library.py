@@ -36,6 +36,13 @@ def library_name(source: Path) -> str:
     return f"{source.stem}-{key}.so"
 
 
+def cache_path(source: Path) -> Path:
+    """Where `source`'s library is kept: the model cache's kernels folder (loader.cache_dir())."""
+    from minillm.loading.loader import cache_dir
+
+    return cache_dir() / "kernels" / library_name(source)
+
+
 def load(source: Path, path: Path) -> tuple[ctypes.CDLL | None, str | None]:
     """-> (the library built from `source` at `path`, None), or (None, why it could not be built or loaded)."""
     if not path.exists():

@@ -26,9 +26,7 @@ MAX_ROWS = 8                                       # a step of up to this many r
 
 
 def library_path() -> Path:
-    from minillm.loading.loader import cache_dir
-
-    return cache_dir() / "kernels" / c_library.library_name(SOURCE)
+    return c_library.cache_path(SOURCE)
 
 
 @functools.cache

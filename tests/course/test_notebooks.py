@@ -37,6 +37,7 @@ PRINTED_SAME = {
 # Printed differences between two computations of the same value: (pattern with the number, bound).
 # fp32 throughout: the bounds are rounding, far below any real disagreement.
 PRINTED_CLOSE = {
+    "07_continuous_batching.ipynb": ((r"max \|logit difference\| = (\S+)", 5e-4),),
     "03_gqa.ipynb": ((r"max \|difference\| = (\S+)", 1e-5),
                      (r"max \|logit difference\| vs transformers = (\S+)", 2e-4)),
     "04_quantization.ipynb": ((r"twin vs dequantise-then-matmul: max \|diff\| = (\S+)", 1e-4),),

@@ -116,7 +116,7 @@ MARKED_SIZES = ("L['block_tables'].size()[1]", "L['k_cache'].size()[0]", "L['v_c
                 "L['rope'].keywords['cos'].size()[0]", "L['rope'].keywords['sin'].size()[0]", "L['___stack0'].size()[0]")
 
 
-def test_a_second_model_in_the_process_compiles_static_sizes():
+def test_a_second_model_in_the_process_compiles_static_sizes(fresh_compile_caches):
     """Dynamo remembers sizes per function: without dynamic=False the second model's steps would have
     every size that differs from the first model's made symbolic (slower loops). Only the sizes the runner
     marks (MARKED_SIZES) may be symbols."""

@@ -18,10 +18,10 @@ uses, and the largest logit difference between the two ways (fp32: summation ord
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
+from minillm.perf.timing import time_median
 from . import common
 
 NAME = "small-step"
@@ -64,17 +64,6 @@ def batch_of(engine, runs: list[tuple]) -> object:
     return build_batch(parts, ["all"] * len(parts), bm.block_size, engine.kv.k.device, engine.decode_group_cost)
 
 
-def median_ms(fn, repeats: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
-
-
 def measure(llm, dtype_name: str, rounds: int, repeats: int) -> list[dict]:
     """The two ways on every shape, alternating within each round -> one row per shape."""
     engine, reqs = prepared(llm)
@@ -94,7 +83,7 @@ def measure(llm, dtype_name: str, rounds: int, repeats: int) -> list[dict]:
                 try:
                     for name, _ in shapes:
                         batch = batches[name]
-                        times[(name, way)].append(median_ms(lambda: runner.forward(batch), repeats))
+                        times[(name, way)].append(1000 * time_median(lambda: runner.forward(batch), repeats, 2))
                         logits[(name, way)] = runner.forward(batch).float()
                 finally:
                     runner.small_step_rows = saved
