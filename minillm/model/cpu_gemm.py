@@ -67,8 +67,8 @@ def blocked_gemm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _gemm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """blocked_gemm without its checks: the op a compiled step calls 120 times, on blocks checked once (usable) and
-    rows its own graph made."""
+    """blocked_gemm without its checks: the op a compiled step calls for every projection of every layer, on blocks
+    checked once (usable) and rows its own graph made."""
     B, n_in, R = blocks.shape
     y = x.new_empty(x.shape[0], B * R)                                     # (N, out)
     if kernel()[0].blocked_gemm(blocks.data_ptr(), x.data_ptr(), y.data_ptr(), DTYPES[x.dtype], x.shape[0], B, n_in,
@@ -86,37 +86,38 @@ if not hasattr(torch.ops.minillm, "blocked_gemm"):
 
 
 class BlockedLinear:
-    """A weight in row blocks as a projection x (N, in) -> (N, out) (layer.project calls it): what the runner
-    hands the compiled small step where the kernel takes its weights. One row runs the loops Inductor
-    generates from layer.gemv, which fuse the RMSNorm before the projection into the product (a whole one-row
-    step was slower with a kernel call per projection when this was built, on the AMD EPYC VM); 2 or more
-    rows run the kernel."""
+    """A weight in row blocks as a projection x (N, in) -> (N, out) by the kernel (layer.project calls it): what the
+    runner hands the compiled small step where the kernel takes its weights. Inside a compiled graph one row runs
+    the loops Inductor generates from layer.gemv instead, which fuse the RMSNorm before the projection into the
+    product (a whole one-row step was slower with a kernel call per projection when this was built, on the AMD
+    EPYC VM). A plain object, not an nn.Module: Dynamo guards on a module's identity, and every layer has its own."""
 
     def __init__(self, blocks: torch.Tensor):
         self.blocks = blocks                                             # (out/R, in, R)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1:
+        if x.shape[0] == 1 and torch.compiler.is_compiling():
             from .layer import gemv
             return gemv(self.blocks, x[0])[None]                         # (1, out)
         return torch.ops.minillm.blocked_gemm(x, self.blocks)
 
 
-class RowBlockLinear(torch.nn.Module):
-    """An nn.Linear whose weight is laid out in row blocks and applied by the kernel, x (..., in) -> (..., out): for
-    a module run eagerly one token at a time (the EAGLE head's step), where the library GEMM at one row costs
+class BlockedLinearModule(torch.nn.Module):
+    """An nn.Linear as a BlockedLinear (its weight laid out in row blocks, its bias kept), x (..., in) -> (..., out):
+    for a module run eagerly one token at a time (the EAGLE head's step), where the library GEMM at one row costs
     several times the weight read."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         from .transforms import gemv_blocks
 
-        (self.blocks,) = gemv_blocks([weight.detach()])                   # (out/R, in, R)
+        (blocks,) = gemv_blocks([weight.detach()])
+        self.linear = BlockedLinear(blocks)
         self.bias = None if bias is None else bias.detach()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = blocked_gemm(x.reshape(-1, self.in_features), self.blocks).view(*x.shape[:-1], self.out_features)
+        y = self.linear(x.reshape(-1, self.in_features).contiguous()).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -126,14 +127,14 @@ def takes(weight: torch.Tensor) -> bool:
             and weight.shape[0] % (64 // weight.element_size()) == 0 and kernel()[0] is not None)
 
 
-def with_row_blocks(module: torch.nn.Module) -> int:
-    """Replace every nn.Linear inside module whose weight the kernel takes by a RowBlockLinear (a load-time
+def use_blocked_linears(module: torch.nn.Module) -> int:
+    """Replace every nn.Linear inside module whose weight the kernel takes by a BlockedLinearModule (a load-time
     transform; the module's outputs change only by summation order) -> how many were replaced."""
     replaced = 0
     for name, child in list(module.named_children()):
         if type(child) is torch.nn.Linear and takes(child.weight):
-            setattr(module, name, RowBlockLinear(child.weight, child.bias))
+            setattr(module, name, BlockedLinearModule(child.weight, child.bias))
             replaced += 1
         else:
-            replaced += with_row_blocks(child)
+            replaced += use_blocked_linears(child)
     return replaced

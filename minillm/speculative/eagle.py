@@ -82,7 +82,7 @@ class EagleHead(nn.Module):
         # the LM head's draft rows, gathered once: a gather per draft would copy V_d x dim floats each time
         # (fp32 whatever the target's dtype: the head runs in fp32 on a bf16 target's features too)
         self.register_buffer("lm_rows", target.embed.weight.detach()[self.vocab].float(), persistent=False)   # (V_d, dim)
-        self.draft_lm = None                                          # the same rows in row blocks (use_row_blocks)
+        self.draft_lm = None                                          # the same rows in row blocks (use_blocked_linears)
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """features (B, T, dim) at positions start .. start+T-1 and the tokens that followed each (B, T) ->
@@ -101,7 +101,7 @@ class EagleHead(nn.Module):
         """(..., dim) -> (..., V_d) over the draft vocabulary."""
         return features @ self.lm_rows.t() if self.draft_lm is None else self.draft_lm(features)
 
-    def use_row_blocks(self) -> bool:
+    def use_blocked_linears(self) -> bool:
         """NEW: for drafting in the engine on a CPU, every projection and the draft LM head by the few-row GEMM
         kernel over weights in row blocks (model/cpu_gemm.py): a head step is one token, where the library GEMM
         costs several times the weight read. -> whether the kernel took them (not where it cannot be built)."""
@@ -109,8 +109,8 @@ class EagleHead(nn.Module):
 
         if not cpu_gemm.takes(self.lm_rows):
             return False
-        cpu_gemm.with_row_blocks(self)
-        self.draft_lm = cpu_gemm.RowBlockLinear(self.lm_rows)
+        cpu_gemm.use_blocked_linears(self)
+        self.draft_lm = cpu_gemm.BlockedLinearModule(self.lm_rows)
         return True
 
     def step(self, cache: "HeadCache", features: torch.Tensor, next_tokens: list[int]) -> torch.Tensor:

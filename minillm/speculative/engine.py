@@ -57,7 +57,7 @@ class EngineSpeculation:
         # NEW: EAGLE, a head on the target's features (eagle.py), each request its own small cache of the head
         self.head = load_head(llm.model, config.model) if self.method == "eagle" else None
         if self.head is not None and llm.model.embed.weight.device.type == "cpu":
-            self.head.use_row_blocks()
+            self.head.use_blocked_linears()
         # A draft model ("draft", "layerskip") runs through the production forward: one DraftPool (a
         # ModelRunner over a paged cache of its own) shared by every request, each holding its own blocks.
         self.pool = None if self.method in ("ngram", "eagle") else DraftPool(

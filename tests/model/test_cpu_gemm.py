@@ -81,7 +81,7 @@ def test_a_speculative_verification_is_one_small_step_with_the_plain_tokens():
     prompt = {"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1, 2]}
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = engine(seed=5).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    llm = engine(seed=5, speculative_method="ngram", num_speculative_tokens=3)
+    llm = engine(seed=5, speculative_method="ngram", num_speculative_tokens=3, speculative_policy="always")
     runner, rows = llm.engine.runner, []
     forward = runner._decode_layers
     runner._decode_layers = lambda batch: rows.append(batch.tokens.shape[0]) or forward(batch)

@@ -124,7 +124,7 @@ def test_the_incremental_cache_drafts_what_the_head_drafts_from_scratch(setup):
 
 
 def test_in_the_engine_the_head_runs_its_projections_by_the_few_row_kernel(setup):
-    """On a CPU the engine lays the head's projections and draft LM head out in row blocks (use_row_blocks): the
+    """On a CPU the engine lays the head's projections and draft LM head out in row blocks (use_blocked_linears): the
     predicted features and draft logits equal the plain head's up to summation order, and the drafts are the same."""
     from minillm.model import cpu_gemm
 
@@ -133,7 +133,8 @@ def test_in_the_engine_the_head_runs_its_projections_by_the_few_row_kernel(setup
         pytest.skip(f"no few-row kernel here: {cpu_gemm.kernel()[1]}")
     spec = make_llm(target, speculative_method="eagle", speculative_model=path, num_speculative_tokens=3)
     fast = spec.engine.speculation.head
-    assert isinstance(fast.fc, cpu_gemm.RowBlockLinear) and isinstance(fast.block.ffn.w_down, cpu_gemm.RowBlockLinear)
+    assert isinstance(fast.fc, cpu_gemm.BlockedLinearModule)
+    assert isinstance(fast.block.ffn.w_down, cpu_gemm.BlockedLinearModule)
     assert fast.draft_lm is not None and head.draft_lm is None                    # the trained head is left as it was
     seq = random_prompts([20], 256, seed=9)[0]
     feats = target_features(target, torch.tensor([seq]))[0]                      # (L, dim)
