@@ -38,13 +38,8 @@ def library_path() -> Path:
 @functools.cache
 def kernel() -> tuple[ctypes.CDLL | None, str | None]:
     """-> (the loaded library, None), or (None, why it could not be built or loaded)."""
-    lib, why = c_library.load(SOURCE, library_path())
-    if lib is None:
-        return None, why
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.decode_attention.argtypes = [ptr] * 6 + [ctypes.c_int] + [i64] * 7 + [ctypes.c_float, i64, ctypes.c_int]
-    lib.decode_attention.restype = ctypes.c_int
-    return lib, None
+    return c_library.load(SOURCE, library_path(), "decode_attention", [ptr] * 6 + [ctypes.c_int] + [i64] * 7 + [ctypes.c_float, i64, ctypes.c_int])
 
 
 def supports(n_heads: int, k_cache: torch.Tensor) -> bool:

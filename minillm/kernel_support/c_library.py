@@ -1,7 +1,7 @@
 """Building a hand-written C kernel on first use and loading it through ctypes (attention/cpu_decode.c,
 model/cpu_gemm.c).
 
-    lib, why = load(source, path)     # (the library, None), or (None, why it could not be built or loaded)
+    lib, why = load(source, path, function, argtypes)    # (the library, None), or (None, why not)
 
 The library is compiled with the C compiler Inductor uses too (`cc`; FLAGS: -O3 -march=native -fopenmp, no
 torch headers: under a second) into `path`, which library_name() keys by the source, the header it includes,
@@ -43,8 +43,9 @@ def cache_path(source: Path) -> Path:
     return cache_dir() / "kernels" / library_name(source)
 
 
-def load(source: Path, path: Path) -> tuple[ctypes.CDLL | None, str | None]:
-    """-> (the library built from `source` at `path`, None), or (None, why it could not be built or loaded)."""
+def load(source: Path, path: Path, function: str, argtypes: list) -> tuple[ctypes.CDLL | None, str | None]:
+    """-> (the library built from `source` at `path`, its entry point `function` declared with `argtypes`
+    returning a C int, None), or (None, why it could not be built or loaded)."""
     if not path.exists():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -58,6 +59,9 @@ def load(source: Path, path: Path) -> tuple[ctypes.CDLL | None, str | None]:
         except (OSError, subprocess.TimeoutExpired) as e:                 # no compiler, or the cache not writable
             return None, f"could not build {path.name}: {e}"
     try:
-        return ctypes.CDLL(str(path)), None
+        lib = ctypes.CDLL(str(path))
     except OSError as e:
         return None, f"could not load {path.name}: {e}"
+    entry = getattr(lib, function)
+    entry.argtypes, entry.restype = argtypes, ctypes.c_int
+    return lib, None

@@ -32,13 +32,8 @@ def library_path() -> Path:
 @functools.cache
 def kernel() -> tuple[ctypes.CDLL | None, str | None]:
     """-> (the loaded library, None), or (None, why it could not be built or loaded)."""
-    lib, why = c_library.load(SOURCE, library_path())
-    if lib is None:
-        return None, why
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.blocked_gemm.argtypes = [ptr] * 3 + [ctypes.c_int] + [i64] * 3 + [ctypes.c_int]
-    lib.blocked_gemm.restype = ctypes.c_int
-    return lib, None
+    return c_library.load(SOURCE, library_path(), "blocked_gemm", [ptr] * 3 + [ctypes.c_int] + [i64] * 3 + [ctypes.c_int])
 
 
 def supports(blocks: torch.Tensor) -> bool:
