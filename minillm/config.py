@@ -86,11 +86,25 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 5
     policy: str = "adaptive"                    # "adaptive": as many drafts as pay at the batch; "always": k
     model: str | None = None                    # "eagle": the head's file (None: eagle.default_head_path())
+    token_tree: tuple | None = None             # NEW: "eagle": a static draft tree (speculative.tree.tree_paths)
 
     def __post_init__(self):
         if self.model is not None and self.method != "eagle":
             raise ValueError(f"speculative_model = {self.model!r} with speculative_method = {self.method!r}: only "
                              f"'eagle' reads a file (its trained head); leave speculative_model out")
+        if self.token_tree is not None:
+            from minillm.model.runner import SMALL_STEP_ROWS
+            from minillm.speculative.tree import tree_paths
+
+            if self.method != "eagle":
+                raise ValueError(f"speculative_token_tree with speculative_method = {self.method!r}: only 'eagle' "
+                                 f"drafts trees; leave speculative_token_tree out")
+            paths = tree_paths(self.token_tree, SMALL_STEP_ROWS - 1)
+            if self.num_speculative_tokens != len(paths):
+                raise ValueError(f"speculative_token_tree has {len(paths)} nodes but num_speculative_tokens = "
+                                 f"{self.num_speculative_tokens}: a tree's drafts per step are its nodes; pass "
+                                 f"num_speculative_tokens={len(paths)}")
+            object.__setattr__(self, "token_tree", paths)
         if self.method is not None:
             from minillm.speculative.core import ENGINE_METHODS, check_args, check_policy
             check_args(self.method, self.num_speculative_tokens, ENGINE_METHODS)
@@ -149,7 +163,8 @@ class RunConfig:
 GROUPS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig, "run": RunConfig}
 # LLM(...)'s speculative keywords carry vLLM's prefix; the dataclass fields drop it
 SPECULATIVE_KEYWORDS = {"speculative_method": "method", "num_speculative_tokens": "num_speculative_tokens",
-                        "speculative_policy": "policy", "speculative_model": "model"}
+                        "speculative_policy": "policy", "speculative_model": "model",
+                        "speculative_token_tree": "token_tree"}
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ class LLM:
                  kv_cache_dtype: str = "auto", prefix_cache: str = "hash", tokenizer=None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1,
                  speculative_policy: str = "adaptive", speculative_model: str | None = None,
-                 enforce_eager: bool = False, tune_kernels: bool = True):
+                 speculative_token_tree=None, enforce_eager: bool = False, tune_kernels: bool = True):
         """Every keyword but model and tokenizer goes into one EngineConfig (minillm/config.py),
         validated there before the model loads: llm.engine_config.
         model: "smollm2", a .gguf path or an HF folder; or an already-built minillm Llama
@@ -70,6 +70,9 @@ class LLM:
         size (minillm/speculative/engine.py), "always" num_speculative_tokens every step.
         speculative_model: with speculative_method="eagle", the trained head's file (default: the one
         `python -m minillm bench eagle` saves for SmolLM2; speculative/eagle.py).
+        speculative_token_tree: with "eagle", drafts as a static tree verified in one step (vLLM's option of
+        that name: paths of child ranks, e.g. [(0,), (1,), (0, 0)]; speculative/tree.py); then
+        num_speculative_tokens must be its node count.
         enforce_eager: False (vLLM's default) replays a CUDA graph for every decode-only step on a GPU
         (minillm/model/cuda_graphs.py); True runs every step op by op.
         tune_kernels: building the engine times the CPU GEMM libraries per weight shape once
@@ -87,7 +90,7 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype, prefix_cache=prefix_cache, tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size, expert_parallel_size=expert_parallel_size,
             speculative_policy=speculative_policy, speculative_model=speculative_model,
-            enforce_eager=enforce_eager, tune_kernels=tune_kernels)
+            speculative_token_tree=speculative_token_tree, enforce_eager=enforce_eager, tune_kernels=tune_kernels)
         self.parallel = None
         self.device = resolve_device(device)
         if isinstance(model, Llama):

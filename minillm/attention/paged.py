@@ -116,7 +116,8 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.
 
 
 def decode_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None = None) -> torch.Tensor:
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None = None,
+                           runs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode attention over a paged cache, written for torch.compile on CPU (the engine compiles it).
 
     q (B, Hq, D): one new token per sequence; k_cache, v_cache (num_blocks, block_size, Hkv, D);
@@ -126,7 +127,10 @@ def decode_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     that read each sequence's blocks from the cache once: no gathered copy of K/V, no fp32 copy
     (what the gather-then-SDPA path pays every layer). The query heads of one KV head are its G
     rows (GQA without repeating K/V). window: each row sees only its last `window` keys (Mistral; the
-    blocks before them may have been freed: their table entries are masked). Run eagerly it would
+    blocks before them may have been freed: their table entries are masked). runs: (starts, masks), (B,)
+    int64 each: a row sees every key before its run's first one (starts) and, of the run's own keys
+    start + j (j < 63), those whose bit j is set in its mask; causal rows have bits 0..t, a tree draft's
+    row its ancestors' and its own (NEW: tree drafts); seq_lens then only places the window. Run eagerly it would
     materialise a (B, Hkv, G, L, D) product:
     compiled use only (the runner falls back to gather + SDPA where compiling fails).
     """
@@ -138,7 +142,13 @@ def decode_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     qg = q.view(B, Hkv, G, D).float() * D ** -0.5                                         # (B, Hkv, G, D)
     scores = (qg[:, :, :, None, :] * keys[:, :, None]).sum(-1)                          # (B, Hkv, G, L)
     key_pos = torch.arange(L, device=q.device)
-    past = key_pos >= seq_lens[:, None, None, None]                                      # (B, 1, 1, L)
+    if runs is None:
+        past = key_pos >= seq_lens[:, None, None, None]                                  # (B, 1, 1, L)
+    else:                                                    # NEW: tree drafts: the run's keys by bit
+        starts, masks = runs
+        rel = key_pos - starts[:, None]                                                  # (B, L)
+        bit = (masks[:, None] >> rel.clamp(0, 62)) & 1
+        past = ((rel >= 0) & ((rel > 62) | (bit == 0)))[:, None, None, :]                # (B, 1, 1, L)
     if window is not None:                                   # a sliding window: only the last `window` keys
         past = past | (key_pos < seq_lens[:, None, None, None] - window)
     weights = torch.softmax(scores.masked_fill(past, float("-inf")), dim=-1)            # (B, Hkv, G, L)

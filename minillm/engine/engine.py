@@ -38,6 +38,14 @@ from .scheduler import Scheduler
 STEP_LOG_LEN = 10_000                   # engine.step_log keeps the last this many steps (a server runs for days)
 
 
+def _run_parents(req: Request, n: int) -> list[int] | None:
+    """NEW: tree drafts: a request's run as build_batch's tree (row t follows row parents[t]): the pending token,
+    then each node after its parent's row; None for a chain or any other run."""
+    if req.spec_parents is None:
+        return None
+    return [-1] + [1 + p for p in req.spec_parents][:n - 1]
+
+
 class StepLog(deque):
     """A bounded deque of per-step dicts that slices like a list: readers take log[first:]."""
 
@@ -107,7 +115,8 @@ class Engine:
         that got tokens this step."""
         t0 = time.perf_counter()
         if self.speculation is not None:                                   # NEW: speculative, 1. propose
-            self.speculation.propose(self.scheduler.running, self.scheduler.max_num_batched_tokens)
+            self.speculation.propose(self.scheduler.running, self.scheduler.max_num_batched_tokens,
+                                     getattr(self.runner, "tree_rows", 0))
         plan = self.scheduler.schedule()
         now = time.time()
         for req in plan.requests:
@@ -126,9 +135,9 @@ class Engine:
         else:                                                              # NEW: EAGLE drafts read the features
             runs = [(req.num_computed_tokens, n) for req, n in zip(plan.requests, plan.num_new_tokens)]   # as scheduled
             logits, features = self.runner.forward_with_features(batch)    # (K, V), (F, dim)
-        verified, events = self._verify(plan, spans, logits, log)
+        verified, kept, events = self._verify(plan, spans, logits, log)
         if batch.feature_rows is not None:                                 # the verified positions' features
-            self.speculation.take_features(plan, runs, features)
+            self.speculation.take_features(plan, runs, features, kept)
         events += self._sample_and_update(plan, wants, spans, logits, verified)
         self._log(log, plan, verified, t0)
         return events
@@ -144,7 +153,7 @@ class Engine:
             wants_prompt = req.params.prompt_logprobs is not None and req.prompt_logprobs is None
             want = "all" if wants_prompt or req.spec_token_ids else ("last" if end == req.num_tokens else "none")
             runs.append(((req.all_token_ids + req.spec_token_ids)[start:end], start, bm.block_table(req.request_id),
-                         bm.slot_mapping(req.request_id, start, end)))
+                         bm.slot_mapping(req.request_id, start, end), _run_parents(req, end - start)))
             wants.append(want)
             rows = n if want == "all" else int(want == "last")
             spans.append((row, row + rows))
@@ -153,28 +162,34 @@ class Engine:
         return (build_batch(runs, wants, bm.block_size, self.kv.k.device, self.decode_group_cost,
                             self.llm.config.sliding_window, features), wants, spans)
 
-    def _verify(self, plan, spans, logits, log) -> tuple[dict, list]:
+    def _verify(self, plan, spans, logits, log) -> tuple[dict, dict, list]:
         """NEW: speculative, 3. verify and 4. roll back. -> {id(req): (the target's own token, its
-        logits row)} for every request whose drafts ran, and the accepted drafts' output events."""
-        verified, events = {}, []
+        logits row)} for every request whose drafts ran, {id(req): the rows of its run that stand},
+        and the accepted drafts' output events. A tree's accepted path moves its K/V to the slots
+        right after the pending token, where a chain's already is."""
+        verified, kept, events = {}, {}, []
         for i, req in enumerate(plan.requests):
             if not req.spec_token_ids:
                 continue
             lo, hi = spans[i]
             start = req.num_computed_tokens
             log["num_draft_tokens"] += len(req.spec_token_ids)
-            tokens, a = self.speculation.verify(req, logits[lo:hi])
+            tokens, rows = self.speculation.verify(req, logits[lo:hi])
+            a = len(rows) - 1
             log["num_accepted_tokens"] += a
             for j in range(a):                                             # acceptance by draft position
                 log["num_accepted_per_position"][j] += 1
+            if rows != list(range(a + 1)):                                 # NEW: tree drafts, the path compacted
+                slots = self.block_manager.slot_mapping(req.request_id, start, start + rows[-1] + 1)
+                self.kv.move_slots([slots[r] for r in rows[1:]], slots[1:a + 1])
             plan.num_new_tokens[i] = 1 + a                                 # the rejected drafts roll back
             self.block_manager.truncate(req, start + 1 + a)
             for j in range(a):                                             # the accepted drafts are output now
-                events.append((req, self.output_processor.append(req, logits[lo + j], tokens[j])))
+                events.append((req, self.output_processor.append(req, logits[lo + rows[j]], tokens[j])))
                 if req.finished:                                           # a stop inside the run: the rest is dropped
                     break
-            verified[id(req)] = (tokens[a], lo + a)
-        return verified, events
+            verified[id(req)], kept[id(req)] = (tokens[a], lo + rows[a]), rows
+        return verified, kept, events
 
     def _sample_and_update(self, plan, wants, spans, logits, verified) -> list:
         """Move every request's computed count on (Scheduler.update); those that caught up sample a

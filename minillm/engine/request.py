@@ -64,6 +64,8 @@ class Request:
     # speculative decoding in the engine (minillm/speculative/engine.py)
     spec_token_ids: list[int] = field(default_factory=list)   # draft tokens to verify in the next step
     spec_probs: torch.Tensor | None = None # (k, V) the draft's distribution; None: one-hot (n-gram, greedy)
+    spec_parents: list[int] | None = None  # NEW: tree drafts: the node each draft follows (-1: the pending token);
+                                           # None: a chain (each draft follows the one before)
     drafter: object | None = None          # this request's proposer (a draft model keeps its own cache)
     num_accepted: int = 0                  # draft tokens accepted so far
     num_rejections: int = 0                # verification steps that ended in a rejection

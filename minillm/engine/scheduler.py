@@ -150,6 +150,8 @@ class Scheduler:
             del req.spec_token_ids[fits:]
             if req.spec_probs is not None:
                 req.spec_probs = req.spec_probs[:fits] if req.spec_token_ids else None
+            if req.spec_parents is not None:          # a tree's nodes are in topological order: a prefix is a tree
+                req.spec_parents = req.spec_parents[:fits] if req.spec_token_ids else None
 
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: free every block, forget the computed tokens, and put the
@@ -159,7 +161,7 @@ class Scheduler:
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
-        req.spec_token_ids, req.spec_probs = [], None          # drafts are proposed afresh
+        req.spec_token_ids, req.spec_probs, req.spec_parents = [], None, None   # drafts are proposed afresh
         req.prompt_logits = []
         req.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -157,20 +157,22 @@ def decoder_layer(h: torch.Tensor, weights: tuple, rope, attention, n_heads: int
 
 def paged_decode_layer(h: torch.Tensor, weights: tuple, cos: torch.Tensor, sin: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                       block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                       n_heads: int, n_kv_heads: int, eps: float, window: int | None = None) -> torch.Tensor:
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor, n_heads: int, n_kv_heads: int,
+                       eps: float, window: int | None = None, runs: tuple | None = None) -> torch.Tensor:
     """decoder_layer for a small step, every row a query of its own (a decode token, or one token of a short
     run such as a speculative verification), with RoPE by cos, sin (N, 1, D/2) and its attention spelled out
     for torch.compile: each row's k, v written at its slot, then each row attends to its blocks' keys up to
-    its own length, read in place. k_cache, v_cache (num_blocks, block_size, Hkv, D): this layer's cache;
-    slots (N,), block_tables (N, n), seq_lens (N,) int64; window: the model's sliding window (None: full
-    attention). The attention is attention.paged.decode_attention_fused: loops Inductor generates, in the graph."""
+    its own position, read in place. k_cache, v_cache (num_blocks, block_size, Hkv, D): this layer's cache;
+    slots (N,), block_tables (N, n), seq_lens (N,) int64 (position + 1); window: the model's sliding window
+    (None: full attention); runs: None, or for a tree of drafts (NEW) (run_starts, run_masks) (N,) int64 each:
+    the keys of its run a row sees (its ancestors' and its own). The attention is
+    attention.paged.decode_attention_fused: loops Inductor generates, in the graph."""
     from minillm.attention.paged import decode_attention_fused
 
     def attention(q, k, v):
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))   # (blocks*bs, Hkv, D)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
-        return decode_attention_fused(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, window)
+        return decode_attention_fused(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, window, runs)
 
     return decoder_layer(h, weights, lambda x: apply_rope(x, cos, sin), attention, n_heads, n_kv_heads, eps)
 

@@ -22,7 +22,8 @@ for an int8/fp8 cache), reading the step's metadata built here once (build_batch
 How the layer runs is chosen once, here, from what the model is: its weights prepacked for the CPU
 GEMM libraries, int8/int4 packs for a quantised model, the module itself otherwise (eager_weights);
 a small step (at most SMALL_STEP_ROWS rows: decode tokens of a few requests, a speculative
-verification, a short prompt; each row attends as a query of its own) runs the same layer under
+verification or a tree of drafts, a short prompt; each row attends as a query of its own, to the keys
+before its run and those of its run its mask names) runs the same layer under
 torch.compile (layer.compiled_decode_layer, NEW: compiled small step) over a copy of the float weights
 in row blocks (transforms.gemv_blocks), which one row reads by generated GEMV loops and several rows
 by the few-row GEMM kernel (model/cpu_gemm.c); a step of more rows over prepacked weights runs it
@@ -117,6 +118,16 @@ class PagedKVCache:
         caches = [t for t in (self.k, None if self.latent else self.v, self.k_scale, self.v_scale) if t is not None]
         copy_blocks(caches, copies, block_dim=1)                        # (L, num_blocks, ...) each
 
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """NEW: tree drafts: every layer's K/V (and scales) at slots src copied to slots dst, in one indexed copy
+        per tensor (read before written: src and dst may overlap). The accepted path of a tree moves to the
+        positions it now holds."""
+        caches = [t for t in (self.k, None if self.latent else self.v, self.k_scale, self.v_scale) if t is not None]
+        src_t, dst_t = (torch.tensor(x, dtype=torch.long, device=self.k.device) for x in (src, dst))
+        for t in caches:
+            flat = t.view(t.shape[0], -1, *t.shape[3:])                 # (L, num_blocks * bs, ...)
+            flat[:, dst_t] = flat[:, src_t]
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """k, v (N, Hkv, D) into their slots (N,), all real: a row scatter (quantised first for int8/fp8). A latent
         cache stores k only (v is its view)."""
@@ -198,13 +209,19 @@ class PagedBatch:
     window: int | None = None      # the sliding window the decode groups' masks apply (None: full attention)
     feature_rows: torch.Tensor | None = None   # (F,) rows whose top-layer features are returned too (EAGLE drafts)
     row_tables: torch.Tensor | None = None     # (N, n) int64 each row's block table, for a small step (None: N > SMALL_STEP_ROWS)
-    row_lens: torch.Tensor | None = None       # (N,) int64 keys each row sees (its position + 1), for the same
+    row_lens: torch.Tensor | None = None       # (N,) int64 its position + 1 (where a sliding window starts), for the same
+    has_tree: bool = False                     # NEW: tree drafts: a run's rows branch (only a small step takes it)
+    run_starts: torch.Tensor | None = None     # (N,) int64 with a tree: the first key of each row's run; it sees every
+    run_masks: torch.Tensor | None = None      # key before and the run's keys whose bits are set (decode_attention_fused)
 
 
-def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_logits: list[str],
+def build_batch(runs: list[tuple], want_logits: list[str],
                 block_size: int, device, group_cost: int | None = GROUP_COST_BLOCKS,
                 window: int | None = None, want_features: list[bool] | None = None) -> PagedBatch:
-    """runs: per request (new token ids, start position, block table, slots of the new tokens).
+    """runs: per request (new token ids, start position, block table, slots of the new tokens), and optionally
+    a fifth item, the run's tree (NEW: tree drafts): parents[t] the row of the run that row t follows (-1 for
+    row 0), so row t sits at position start + its depth and sees its ancestors' keys and its own (a chain,
+    parents[t] = t - 1, is the plain run). Only a small step takes a tree.
     want_logits per run: "last" (the last row), "all" (every row) or "none".
     want_features per run: every row's top-layer feature is returned too (forward_with_features).
     group_cost None: no decode groups (the Triton or C kernel takes every length in one call).
@@ -212,15 +229,28 @@ def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_lo
     tokens, positions, slots, logits_rows, feature_rows = [], [], [], [], []
     dec_rows, dec_lens, dec_tables, prefills = [], [], [], []
     small = sum(len(new) for new, *_ in runs) <= SMALL_STEP_ROWS
-    row_tables = []                                  # a small step: every row a query of its own
+    row_tables, run_starts, run_masks = [], [], []   # a small step: every row a query of its own
+    has_tree = False
     short = []                                       # (row, T, start, table): runs for the CPU groups
     row = 0
-    for i, ((new, start, table, new_slots), want) in enumerate(zip(runs, want_logits)):
+    for i, ((new, start, table, new_slots, *tree), want) in enumerate(zip(runs, want_logits)):
         T = len(new)
         if want_features is not None and want_features[i]:
             feature_rows += range(row, row + T)
         tokens += new
-        positions += range(start, start + T)
+        if tree and tree[0] is not None:             # NEW: tree drafts
+            if not small:
+                raise ValueError(f"a tree of {T} rows in a step of {sum(len(r[0]) for r in runs)} rows: tree drafts "
+                                 f"need a small step (at most {SMALL_STEP_ROWS} rows)")
+            has_tree = True
+            depths, masks = run_tree(tree[0])
+            positions += [start + d for d in depths]
+        else:                                        # a causal run: row t at start + t, seeing rows 0 .. t
+            masks = [(2 << t) - 1 for t in range(T)] if small else None
+            positions += range(start, start + T)
+        if small:
+            run_starts += [start] * T
+            run_masks += masks
         slots += new_slots
         if want == "all":
             logits_rows += range(row, row + T)
@@ -246,13 +276,27 @@ def build_batch(runs: list[tuple[list[int], int, list[int], list[int]]], want_lo
     small_step = {}
     if small:                                        # row t of a run at `start` sees keys 0 .. start + t
         small_step = dict(row_tables=block_table_tensor(row_tables, device).long(),
-                          row_lens=torch.tensor(positions, **as_long) + 1)
+                          row_lens=torch.tensor(positions, **as_long) + 1, has_tree=has_tree)
+        if has_tree:                                 # only a tree reads them: other steps keep their graphs
+            small_step.update(run_starts=torch.tensor(run_starts, **as_long), run_masks=torch.tensor(run_masks, **as_long))
     return PagedBatch(torch.tensor(tokens, **as_long), torch.tensor(positions, **as_long),
                       torch.tensor(slots, **as_long), torch.tensor(logits_rows, **as_long),
                       torch.tensor(dec_rows, **as_long), block_table_tensor(dec_tables, device),
                       torch.tensor(dec_lens, dtype=torch.int32, device=device), groups, prefills,
                       [r for r in short if r.length > 1], window,
                       torch.tensor(feature_rows, **as_long) if feature_rows else None, **small_step)
+
+
+def run_tree(parents: list[int]) -> tuple[list[int], list[int]]:
+    """parents[t]: the row row t follows (-1: none; each parent before its child) -> each row's depth and its
+    mask: bit j set where row j is the row itself or an ancestor (the keys of its run it sees)."""
+    depths, masks = [], []
+    for t, p in enumerate(parents):
+        if not (p == -1 if t == 0 else 0 <= p < t):
+            raise ValueError(f"run tree: row {t}'s parent is {p}; allowed: -1 for row 0, a row before it otherwise")
+        depths.append(0 if p < 0 else depths[p] + 1)
+        masks.append((1 << t) | (0 if p < 0 else masks[p]))
+    return depths, masks
 
 
 def _decode_group(members: list[Run], block_size: int, device, window: int | None = None) -> DecodeGroup:
@@ -478,9 +522,19 @@ class ModelRunner:
         return self.forward_eager(batch)
 
     def _compiled_decode_fits(self, batch: PagedBatch) -> bool:
-        """The step is a small one the compiled step takes: at most small_step_rows rows."""
-        return (self.decode_weights is not None and batch.row_lens is not None
-                and batch.tokens.shape[0] <= self.small_step_rows and self.compile_failed is None)
+        """The step is a small one the compiled step takes: at most small_step_rows rows. A tree of drafts
+        runs there even where compiling failed (eagerly): no other path reads its masks."""
+        fits = (self.decode_weights is not None and batch.row_lens is not None
+                and batch.tokens.shape[0] <= self.small_step_rows)
+        if batch.has_tree and not fits:
+            raise ValueError(f"a tree of drafts in a step of {batch.tokens.shape[0]} rows: this runner takes trees "
+                             f"in steps of at most {self.tree_rows} rows (takes_tree)")
+        return fits and (self.compile_failed is None or batch.has_tree)
+
+    @property
+    def tree_rows(self) -> int:
+        """NEW: tree drafts: the most rows a step with a tree may have (0: none; the small step's masks only)."""
+        return self.small_step_rows if self.decode_weights is not None else 0
 
     @torch.no_grad()
     def forward_eager(self, batch: PagedBatch) -> torch.Tensor:
@@ -543,8 +597,10 @@ class ModelRunner:
         """A small step (1 .. small_step_rows rows) through every layer by the compiled layer.paged_decode_layer
         (eagerly, where compiling fails) -> h (N, dim) before the final norm. Every row is a query of its own:
         its K/V is stored first, then it attends to its request's keys up to its own position (row_lens), so
-        a decode token, a speculative verification and a short prefill chunk are the same computation. One
-        graph for one row, one for 2 .. small_step_rows (the row count marked symbolic). The block tables are
+        a decode token, a speculative verification and a short prefill chunk are the same computation; a tree
+        of drafts (NEW) attends instead to the keys before its run and, of the run's, its ancestors' and its own
+        (run_starts, run_masks). One graph for one row, one for 2 .. small_step_rows (the row count marked
+        symbolic), one for a tree. The block tables are
         padded to at least 2 blocks (a repeat past the row's length, masked): torch would specialise a size of
         1 into a graph of its own."""
         cfg = self.model.cfg
@@ -556,14 +612,15 @@ class ModelRunner:
             torch._dynamo.maybe_mark_dynamic(cache, 0)
         cos, sin = self._cos_sin(batch.positions)                        # (N, 1, D/2) each
         h = self.model.embed.weight.detach()[batch.tokens]               # (N, dim) gathered: not a view
-        rows = (h, cos, sin, batch.slot_mapping, tables, batch.row_lens)
+        runs = (batch.run_starts, batch.run_masks) if batch.has_tree else None
+        rows = (h, cos, sin, batch.slot_mapping, tables, batch.row_lens, *(runs or ()))
         if h.shape[0] > 1:
             for t in rows:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         for i, weights in enumerate(self.decode_weights):
             h = self._run(compiled_decode_layer, paged_decode_layer, h, weights, cos, sin, k_caches[i], v_caches[i],
                           batch.slot_mapping, tables, batch.row_lens, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps,
-                          self.window)
+                          self.window, runs)
         self.compiled_decode_steps += 1
         return h
 

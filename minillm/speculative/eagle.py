@@ -87,14 +87,12 @@ class EagleHead(nn.Module):
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """features (B, T, dim) at positions start .. start+T-1 and the tokens that followed each (B, T) ->
         predicted features (B, T, dim) one position later, causal over the T inputs."""
-        return self._layer(features, next_tokens, start, naive_attention_fp32)
+        return self._layer(features, next_tokens, torch.arange(start, start + features.shape[1]), naive_attention_fp32)
 
-    def _layer(self, features: torch.Tensor, next_tokens: torch.Tensor, start: int, attend) -> torch.Tensor:
-        """fc([embed(next token) ; feature]) and the decoder layer at positions start .. start + T - 1."""
+    def _layer(self, features: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """fc([embed(next token) ; feature]) and the decoder layer, the T inputs at positions (T,)."""
         x = self.fc(torch.cat([self.embed(next_tokens).float(), features], dim=-1))     # (B, T, dim)
-        T = x.shape[1]
-        cos, sin = rope_cos_sin(torch.arange(start, start + T), self.cfg.head_dim, self.cfg.rope_theta,
-                                self.cfg.rope_scaling)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
         return self.block(x, cos, sin, attend)                                  # (B, T, dim)
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
@@ -116,7 +114,8 @@ class EagleHead(nn.Module):
     def step(self, cache: "HeadCache", features: torch.Tensor, next_tokens: list[int]) -> torch.Tensor:
         """Incremental forward: features (T, dim) at positions cache.end .. cache.end + T - 1 and the token
         after each -> predicted next features (T, dim); their keys and values join the cache."""
-        return self._layer(features[None], torch.tensor([next_tokens]), cache.end, cache.attend)[0]   # (T, dim)
+        positions = torch.arange(cache.end, cache.end + features.shape[0])
+        return self._layer(features[None], torch.tensor([next_tokens]), positions, cache.attend)[0]   # (T, dim)
 
     @torch.no_grad()
     def propose(self, features: torch.Tensor, tokens: list[int], k: int) -> list[int]:
@@ -181,18 +180,27 @@ class EagleDraft:
         else:
             self.pending = torch.cat([self.pending[:start - self.cache.end], features])
 
+    def _feed(self, context: list[int]) -> int | None:
+        """Feed the head the real features it has not seen, up to the pending token (context[-1], whose feature
+        is not computed yet) -> its position `end`, with last_pred (1, dim) the feature predicted there; None
+        where the features to draft from are missing (a prefix-cache hit, nothing computed yet)."""
+        end = len(context) - 1                                           # features exist for 0 .. end - 1
+        fed = self.cache.end
+        if end <= self.cache.base or fed + len(self.pending) < end or (fed == end and self.last_pred is None):
+            return None
+        if fed < end:
+            f, self.pending = self.pending[:end - fed], self.pending[end - fed:]      # (T, dim), T >= 1
+            self.last_pred = self.head.step(self.cache, f, context[fed + 1:end + 1])[-1:]   # (1, dim) f_hat at end
+        return end
+
     @torch.no_grad()
     def propose(self, context: list[int], k: int, params: SamplingParams,
                 generator) -> tuple[list[int], torch.Tensor | None]:
         """k draft tokens after context (whose last token's feature is not computed yet) and q (k, V) they
         were drawn from (None when greedy)."""
-        end = len(context) - 1                                           # features exist for 0 .. end - 1
-        fed = self.cache.end
-        if k == 0 or end <= self.cache.base or fed + len(self.pending) < end or (fed == end and self.last_pred is None):
+        end = self._feed(context) if k > 0 else None
+        if end is None:
             return [], None
-        if fed < end:                                                    # feed the real features not seen yet
-            f, self.pending = self.pending[:end - fed], self.pending[end - fed:]      # (T, dim), T >= 1
-            self.last_pred = self.head.step(self.cache, f, context[fed + 1:end + 1])[-1:]   # (1, dim) f_hat at end
         pred, tokens, qs = self.last_pred, [], []
         vocab = self.head.vocab
         for i in range(k):
@@ -211,8 +219,64 @@ class EagleDraft:
         self.cache.truncate(end)                                         # predicted positions leave the cache
         return tokens, (torch.stack(qs) if qs else None)
 
+    @torch.no_grad()
+    def propose_tree(self, context: list[int], paths: tuple) -> tuple[list[int], list[int]]:
+        """NEW: tree drafts: the static tree `paths` (tree.tree_paths, topological order) after context: path
+        (.., r) is the head's (r+1)-th choice after its parent. -> the nodes' tokens and parents (-1: the pending
+        token); ([], []) where there is nothing to draft from. The choices are deterministic whatever the
+        temperature: verify_tree's one-hot rule keeps the target's distribution. One head step per depth with
+        children, for all its nodes at once: each attends to the context and to its own ancestors."""
+        end = self._feed(context)
+        if end is None:
+            return [], []
+        vocab, has_children = self.head.vocab, {p[:-1] for p in paths}
+        feature, node = {(): self.last_pred[0]}, {(): -1}       # the feature a node's children are drafted from
+        ranked, tokens, parents = {}, [], []
+        keys = TreeKeys(self.cache)
+        for depth in range(1, len(paths[-1]) + 1):
+            level = [p for p in paths if len(p) == depth]
+            for p in level:
+                parent = p[:-1]
+                if parent not in ranked:                         # its children's ranks, best first
+                    width = 1 + max(q[-1] for q in level if q[:-1] == parent)
+                    ranked[parent] = self.head.draft_logits(feature[parent]).topk(width).indices
+                tokens.append(int(vocab[ranked[parent][p[-1]]]))
+                parents.append(node[parent])
+                node[p] = len(tokens) - 1
+            expand = [p for p in level if p in has_children]
+            if expand:                                            # input (f_hat at the parent, the node's token)
+                f = torch.stack([feature[p[:-1]] for p in expand])                  # (T, dim)
+                positions = torch.full((len(expand),), end + depth - 1)
+                x = [tokens[node[p]] for p in expand]
+                pred = self.head._layer(f[None], torch.tensor([x]), positions, keys.attend(expand))[0]   # (T, dim)
+                feature.update(zip(expand, pred))
+        return tokens, parents
+
     def release(self) -> None:
         self.cache, self.pending, self.last_pred = HeadCache(), torch.zeros(0, self.head.cfg.dim), None
+
+
+class TreeKeys:
+    """The head's keys and values of a tree's nodes while it drafts the tree: never in its cache (the target's
+    real features replace them once verified). A node attends to the cached context, its ancestors and itself."""
+
+    def __init__(self, cache: HeadCache):
+        self.cache, self.paths, self.k, self.v = cache, [], None, None          # (1, Hkv, nodes, hd) each
+
+    def attend(self, rows: list[tuple]):
+        """The Block's attention function for a head step over the nodes `rows` (paths), which join the keys."""
+        def attend(q, k, v, causal=True, window=None):
+            ancestors = torch.tensor([[p[:len(a)] == a and len(a) < len(p) for a in self.paths] for p in rows],
+                                     dtype=torch.bool).reshape(len(rows), len(self.paths))      # (T, nodes)
+            mask = torch.cat([torch.ones(len(rows), self.cache.k.shape[2], dtype=torch.bool), ancestors,
+                              torch.eye(len(rows), dtype=torch.bool)], dim=1)                    # (T, S)
+            self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+            self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+            self.paths += rows
+            keys = torch.cat([self.cache.k, self.k], dim=2)                                      # (1, Hkv, S, hd)
+            values = torch.cat([self.cache.v, self.v], dim=2)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return attend
 
 
 def draft_vocabulary(sequences: list[list[int]], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:

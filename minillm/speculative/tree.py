@@ -28,6 +28,7 @@ previous rejection. tests/speculative/test_tree.py checks both with the project'
 """
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,39 @@ class DraftTree:
         for p in self.parents:
             out.append(1 if p < 0 else out[p] + 1)
         return out
+
+
+def tree_paths(spec, max_nodes: int) -> tuple[tuple[int, ...], ...]:
+    """NEW: the engine's static draft tree (vLLM's speculative_token_tree): a list of paths of child ranks, or its
+    string. (0,) is the draft's first choice after the pending token, (1,) its second, (0, 0) the first choice
+    after (0,), ... Every path's parent must be listed too. -> the paths in topological order (by depth, then
+    rank): the order of the tree's nodes in a step."""
+    if isinstance(spec, str):
+        try:
+            spec = ast.literal_eval(spec)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"speculative_token_tree = {spec!r} is not a list of tuples of child ranks, e.g. "
+                             f"[(0,), (1,), (0, 0)]") from None
+    if not isinstance(spec, (list, tuple)) or not spec:
+        raise ValueError(f"speculative_token_tree = {spec!r}: allowed: a non-empty list of tuples of child ranks, "
+                         f"e.g. [(0,), (1,), (0, 0)]")
+    paths = []
+    for path in spec:
+        if (not isinstance(path, (list, tuple)) or not path
+                or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path)):
+            raise ValueError(f"speculative_token_tree: {path!r} is not a path; allowed: a non-empty tuple of child "
+                             f"ranks >= 0, e.g. (0, 1)")
+        paths.append(tuple(path))
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"speculative_token_tree lists a path twice: {spec!r}")
+    missing = [p for p in paths if len(p) > 1 and p[:-1] not in set(paths)]
+    if missing:
+        raise ValueError(f"speculative_token_tree: the parent of {missing[0]} ({missing[0][:-1]}) is not listed; "
+                         f"every path's parent must be")
+    if len(paths) > max_nodes:
+        raise ValueError(f"speculative_token_tree has {len(paths)} nodes; allowed: at most {max_nodes} (the pending "
+                         f"token and the tree are verified as one small step of at most {max_nodes + 1} rows)")
+    return tuple(sorted(paths, key=lambda p: (len(p), p)))
 
 
 def verify_tree(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,

@@ -182,3 +182,78 @@ def test_bad_arguments_are_clear_errors(setup, tmp_path):
         make_llm(target, speculative_method="eagle", speculative_model=str(tmp_path / "missing.pt")).engine
     with pytest.raises(ValueError, match="only 'eagle' reads a file"):
         make_llm(target, speculative_method="ngram", speculative_model="head.pt")
+
+
+TREE = [(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0), (0, 1)]
+
+
+def tree_llm(model, path, **kwargs):
+    return make_llm(model, speculative_method="eagle", speculative_model=path, num_speculative_tokens=len(TREE),
+                    speculative_token_tree=TREE, speculative_policy="always", **kwargs)
+
+
+def test_tree_drafts_give_the_plain_greedy_tokens_one_request_at_a_time(setup, monkeypatch):
+    """max_num_seqs=1: every decode step is a lone request's, so it verifies a tree of seven drafts in one small
+    step; the tokens equal the engine's without speculation, and accepted paths that leave the first choice
+    have their K/V moved (PagedKVCache.move_slots), else the later tokens would differ."""
+    target, _, path = setup
+    prompts, params = greedy_workload(target)
+    expected = token_ids(make_llm(target), prompts, params)
+    spec = tree_llm(target, path, max_num_seqs=1)
+    moved = []
+    original = spec.engine.kv.move_slots
+    monkeypatch.setattr(spec.engine.kv, "move_slots", lambda src, dst: (moved.append(src), original(src, dst)))
+    assert token_ids(spec, prompts, params) == expected
+    assert_drafts_were_verified(spec)
+    assert spec.engine.speculation.tree_verifications > 0 and moved
+
+
+def test_tree_drafts_under_batching_fall_back_to_chains_with_the_plain_tokens(setup):
+    """Several requests in a step: chains as deep as the tree; a lone request again: a tree. Same tokens."""
+    target, _, path = setup
+    prompts, params = greedy_workload(target)
+    expected = token_ids(make_llm(target), prompts, params)
+    spec = tree_llm(target, path)
+    assert token_ids(spec, prompts, params) == expected
+    stats = spec.engine.speculation
+    assert stats.tree_verifications > 0 and stats.verify_runs > stats.tree_verifications
+    assert_drafts_were_verified(spec)
+
+
+def test_tree_drafts_keep_the_target_distribution_when_sampling():
+    """T = 1, one request at a time, 16-token vocabulary: the second token is verified as a tree of the head's
+    three best guesses (one step's multi-candidate rule in the engine); its distribution over 400 seeds must
+    match the exact marginal from the model."""
+    small = random_model(tiny_config(vocab_size=16, tie_embeddings=True), seed=1)
+    head = trained_head(small, 16, 30)
+    prompt = list(torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist())
+    p2 = second_token_marginal(small, prompt)
+    tree = [(0,), (1,), (2,)]
+    with tempfile.TemporaryDirectory() as tmp:
+        save_head(head, f"{tmp}/head.pt")
+        spec = LLM(model=small, tokenizer=CharTokenizer(), device="cpu", max_model_len=64, max_num_seqs=1,
+                   speculative_method="eagle", speculative_model=f"{tmp}/head.pt", num_speculative_tokens=3,
+                   speculative_token_tree=tree, speculative_policy="always")
+        second = sampled_second_tokens(spec, prompt, 400)
+    stats = spec.engine.speculation
+    assert stats.tree_verifications >= 400 and 0 < stats.accepted < stats.drafted
+    assert chi2_pvalue(torch.bincount(second, minlength=16), p2.double()) > 0.001
+
+
+def test_bad_trees_are_clear_errors(setup):
+    target, _, path = setup
+    with pytest.raises(ValueError, match="only 'eagle' drafts trees"):
+        make_llm(target, speculative_method="ngram", num_speculative_tokens=2, speculative_token_tree=[(0,), (1,)])
+    with pytest.raises(ValueError, match="pass num_speculative_tokens=2"):
+        make_llm(target, speculative_method="eagle", speculative_model=path, speculative_token_tree=[(0,), (1,)])
+    with pytest.raises(ValueError, match=r"the parent of \(1, 0\)"):
+        make_llm(target, speculative_method="eagle", speculative_model=path, num_speculative_tokens=2,
+                 speculative_token_tree=[(0,), (1, 0)])
+    with pytest.raises(ValueError, match="at most 7"):
+        make_llm(target, speculative_method="eagle", speculative_model=path, num_speculative_tokens=8,
+                 speculative_token_tree=[(i,) for i in range(8)])
+    with pytest.raises(ValueError, match="not a list of tuples"):
+        make_llm(target, speculative_method="eagle", speculative_model=path, speculative_token_tree="[(0,")
+    llm = make_llm(target, speculative_method="eagle", speculative_model=path, num_speculative_tokens=2,
+                   speculative_token_tree="[(1,), (0,)]")                  # vLLM's string form, any order
+    assert llm.engine_config.speculative.token_tree == ((0,), (1,))
