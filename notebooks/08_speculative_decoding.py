@@ -236,6 +236,21 @@ if default_head_path().exists():
 else:
     print(f"no trained head at {default_head_path()}: python -m minillm bench eagle trains one")
 
+# %% [markdown]
+# The same head drafting a **tree**: its first three guesses after the pending token and its first guess after its
+# first guess, verified in one step (`speculative_token_tree`, vLLM's option). Each row of the step attends to the
+# context and to its own ancestors; the accepted path's K/V then moves to the slots after the pending token.
+# Tokens per target call rise against the chain's; greedy output stays plain decoding's.
+
+# %%
+if default_head_path().exists():
+    tree = LLM(model=llm.model, tokenizer=tok, max_model_len=llm.max_model_len, speculative_method="eagle",
+               num_speculative_tokens=4, speculative_token_tree=[(0,), (1,), (2,), (0, 0)], speculative_policy="always")
+    got = tree.generate([qa], params, use_tqdm=False)[0].outputs[0].token_ids
+    for name, run in (("chain k=3", eagle), ("tree of 4", tree)):      # each ran this one request: its steps are its calls
+        print(f"{name}: tokens per target call {len(want) / len(run.engine.step_log):.2f}")
+    print(f"tree: identical={got == want}, trees verified {tree.engine.speculation.tree_verifications}")
+
 # %%
 for name in ("eagle", "eagle-engine"):
     path = Path(f"../results/{name}.json")
@@ -250,3 +265,6 @@ for name in ("eagle", "eagle-engine"):
     else:
         for key, value in s["speedup"].items():
             print(f"{key:>40}: {value:.2f}x")
+        choice = s["tree_choice"]
+        print(f"expected drafts accepted per verification (counted): chain of 3 {choice['expected_accepted_chain_k3']:.2f}, "
+              f"tree of 4 {choice['expected_accepted_tree_4']:.2f}, tree of 7 {choice['expected_accepted_tree_7']:.2f}")
