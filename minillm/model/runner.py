@@ -528,7 +528,7 @@ class ModelRunner:
                 and batch.tokens.shape[0] <= self.small_step_rows)
         if batch.has_tree and not fits:
             raise ValueError(f"a tree of drafts in a step of {batch.tokens.shape[0]} rows: this runner takes trees "
-                             f"in steps of at most {self.tree_rows} rows (takes_tree)")
+                             f"in steps of at most {self.tree_rows} rows (tree_rows)")
         return fits and (self.compile_failed is None or batch.has_tree)
 
     @property

@@ -92,3 +92,13 @@ def test_a_tree_outside_a_small_step_is_refused(setup):
     runs = [([1] * 8, 0, [1], slots_of([1], 0, 8, bs), PARENTS), ([2], 0, [2], slots_of([2], 0, 1, bs))]
     with pytest.raises(ValueError, match="tree drafts need a small step"):
         build_batch(runs, ["all", "last"], bs, "cpu", None)
+
+
+def test_a_runner_whose_small_step_cannot_take_the_tree_refuses_it(setup, monkeypatch):
+    """Where the small step takes fewer rows (the few-row kernel not built), no other path reads a tree's masks:
+    the runner says so instead of attending causally."""
+    _, runner = setup
+    monkeypatch.setattr(runner, "small_step_rows", 1)
+    assert runner.tree_rows == 1
+    with pytest.raises(ValueError, match="takes trees in steps of at most 1 rows"):
+        run(runner, list(range(8)), 0, [6], PARENTS)
