@@ -141,20 +141,21 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
-def second_token_marginal(model, prompt: list[int]) -> torch.Tensor:
-    """The exact distribution (V,) of the second token sampled at T = 1 after `prompt`:
+def second_token_marginal(model, prompt: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """The exact distribution (V,) of the second token sampled at `temperature` after `prompt`:
     p(x2) = sum_x1 p(x1) p(x2 | x1), from the model's own logits (the speculative tests' reference)."""
     V = model.cfg.vocab_size
     with torch.no_grad():
-        p1 = model(torch.tensor([prompt]))[0, -1].softmax(-1)                            # (V,)
-        after = model(torch.tensor([prompt + [x] for x in range(V)]))[:, -1].softmax(-1)  # (V, V) p(x2 | x1)
+        p1 = (model(torch.tensor([prompt]))[0, -1] / temperature).softmax(-1)                            # (V,)
+        after = (model(torch.tensor([prompt + [x] for x in range(V)]))[:, -1] / temperature).softmax(-1)  # (V, V)
     return (p1[:, None] * after).sum(0)                                                # (V,)
 
 
-def sampled_second_tokens(llm, prompt: list[int], n: int) -> torch.Tensor:
-    """The second token of n requests for `prompt` sampled at T = 1 (seeds 0 .. n - 1), by llm.generate -> (n,)."""
+def sampled_second_tokens(llm, prompt: list[int], n: int, temperature: float = 1.0) -> torch.Tensor:
+    """The second token of n requests for `prompt` sampled at `temperature` (seeds 0 .. n - 1), by llm.generate
+    -> (n,)."""
     from minillm import SamplingParams
-    params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
+    params = [SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
     outs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
     return torch.tensor([o.outputs[0].token_ids[1] for o in outs])
 
