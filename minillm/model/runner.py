@@ -229,7 +229,7 @@ def build_batch(runs: list[tuple], want_logits: list[str],
     tokens, positions, slots, logits_rows, feature_rows = [], [], [], [], []
     dec_rows, dec_lens, dec_tables, prefills = [], [], [], []
     small = sum(len(new) for new, *_ in runs) <= SMALL_STEP_ROWS
-    row_tables, run_starts, run_masks = [], [], []   # a small step: every row a query of its own
+    row_tables, run_bits = [], []                    # a small step: every row a query of its own
     has_tree = False
     short = []                                       # (row, T, start, table): runs for the CPU groups
     row = 0
@@ -246,11 +246,10 @@ def build_batch(runs: list[tuple], want_logits: list[str],
             depths, masks = run_tree(tree[0])
             positions += [start + d for d in depths]
         else:                                        # a causal run: row t at start + t, seeing rows 0 .. t
-            masks = [(2 << t) - 1 for t in range(T)] if small else None
+            masks = None
             positions += range(start, start + T)
         if small:
-            run_starts += [start] * T
-            run_masks += masks
+            run_bits.append((start, T, masks))
         slots += new_slots
         if want == "all":
             logits_rows += range(row, row + T)
@@ -278,7 +277,9 @@ def build_batch(runs: list[tuple], want_logits: list[str],
         small_step = dict(row_tables=block_table_tensor(row_tables, device).long(),
                           row_lens=torch.tensor(positions, **as_long) + 1, has_tree=has_tree)
         if has_tree:                                 # only a tree reads them: other steps keep their graphs
-            small_step.update(run_starts=torch.tensor(run_starts, **as_long), run_masks=torch.tensor(run_masks, **as_long))
+            starts = [start for start, T, _ in run_bits for _ in range(T)]
+            masks = [m for _, T, bits in run_bits for m in (bits or [(2 << t) - 1 for t in range(T)])]
+            small_step.update(run_starts=torch.tensor(starts, **as_long), run_masks=torch.tensor(masks, **as_long))
     return PagedBatch(torch.tensor(tokens, **as_long), torch.tensor(positions, **as_long),
                       torch.tensor(slots, **as_long), torch.tensor(logits_rows, **as_long),
                       torch.tensor(dec_rows, **as_long), block_table_tensor(dec_tables, device),
@@ -480,12 +481,12 @@ class ModelRunner:
         if self.fused:                                                    # all copies in one buffer
             slots = [(layer, j) for layer in layers for j in (1, 2, 4, 5)]
             blocks = gemv_blocks([layer[j] for layer, j in slots] + ([head] if head is not None else []))
+            head = blocks[-1] if head is not None else None               # the head stays a tensor in row blocks
             if all(cpu_gemm.usable(b) for b in blocks):                   # NEW: the few-row kernel, up to 8 rows
                 blocks = [BlockedLinear(b) for b in blocks]
                 self.small_step_rows = SMALL_STEP_ROWS
             for (layer, j), b in zip(slots, blocks):
                 layer[j] = b
-            head = blocks[-1] if head is not None else None
         return [tuple(layer) for layer in layers], head
 
     @property
@@ -515,21 +516,25 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, batch: PagedBatch) -> torch.Tensor:
         """-> logits (K, V) of batch.logits_rows."""
+        self._refuse_a_tree_it_cannot_take(batch)
         if self.graphs is not None and self.graphs.fits(batch):         # NEW: CUDA graphs, decode-only steps
             return self.graphs.run(batch)
-        if self._compiled_decode_fits(batch):                           # NEW: compiled small step
+        if self._runs_small_step(batch):                                # NEW: compiled small step
             return self._decode_logits(self._decode_layers(batch)[batch.logits_rows])
         return self.forward_eager(batch)
 
-    def _compiled_decode_fits(self, batch: PagedBatch) -> bool:
-        """The step is a small one the compiled step takes: at most small_step_rows rows. A tree of drafts
-        runs there even where compiling failed (eagerly): no other path reads its masks."""
+    def _runs_small_step(self, batch: PagedBatch) -> bool:
+        """The compiled small step takes the batch: at most small_step_rows rows. A tree of drafts runs there
+        even where compiling failed (eagerly): no other path reads its masks."""
         fits = (self.decode_weights is not None and batch.row_lens is not None
                 and batch.tokens.shape[0] <= self.small_step_rows)
-        if batch.has_tree and not fits:
-            raise ValueError(f"a tree of drafts in a step of {batch.tokens.shape[0]} rows: this runner takes trees "
-                             f"in steps of at most {self.tree_rows} rows (tree_rows)")
         return fits and (self.compile_failed is None or batch.has_tree)
+
+    def _refuse_a_tree_it_cannot_take(self, batch: PagedBatch) -> None:
+        rows = batch.tokens.shape[0]
+        if batch.has_tree and rows > self.tree_rows:
+            raise ValueError(f"a tree of drafts in a step of {rows} rows: this runner takes trees in steps of "
+                             f"at most {self.tree_rows} rows (tree_rows)")
 
     @property
     def tree_rows(self) -> int:
@@ -545,7 +550,8 @@ class ModelRunner:
     def forward_with_features(self, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """NEW: EAGLE -> logits (K, V) of batch.logits_rows and the features (F, dim) of batch.feature_rows: the
         hidden states after the final norm, what the LM head reads and an EAGLE head drafts from."""
-        if self._compiled_decode_fits(batch):                           # NEW: compiled small step
+        self._refuse_a_tree_it_cannot_take(batch)
+        if self._runs_small_step(batch):                                # NEW: compiled small step
             h = self._decode_layers(batch)                               # (N, dim)
             return self._decode_logits(h[batch.logits_rows]), self.model.norm(h[batch.feature_rows])
         h = self.forward_layers(self.model.embed(batch.tokens), batch)   # (N, dim)
@@ -632,9 +638,8 @@ class ModelRunner:
         if x.shape[0] == 0:                                              # a prefill chunk that is not a prompt's last
             return x.new_empty(0, self.model.cfg.vocab_size)
         if x.shape[0] > 1:                                               # the runner makes K > 1 only with the kernel
-            return self.decode_head(x)                                   # (K, V): the tied head by the few-row kernel
-        blocks = getattr(self.decode_head, "blocks", self.decode_head)
-        return self._run(compiled_head, gemv, blocks, x[0])[None]        # (1, V): the tied head as one GEMV
+            return torch.ops.minillm.blocked_gemm(x, self.decode_head)   # (K, V): the tied head by the few-row kernel
+        return self._run(compiled_head, gemv, self.decode_head, x[0])[None]   # (1, V): the tied head as one GEMV
 
 
 @functools.cache

@@ -117,6 +117,13 @@ class EagleHead(nn.Module):
         positions = torch.arange(cache.end, cache.end + features.shape[0])
         return self._layer(features[None], torch.tensor([next_tokens]), positions, cache.attend)[0]   # (T, dim)
 
+    def tree_step(self, keys: "TreeKeys", nodes: list[tuple], features: torch.Tensor, next_tokens: list[int],
+                  positions: torch.Tensor) -> torch.Tensor:
+        """NEW: tree drafts: several nodes at once, features (T, dim) at positions (T,) and each node's token ->
+        predicted features (T, dim); each node attends to the cached context, its ancestors and itself (keys), and
+        nothing joins the cache."""
+        return self._layer(features[None], torch.tensor([next_tokens]), positions, keys.attend(nodes))[0]
+
     @torch.no_grad()
     def propose(self, features: torch.Tensor, tokens: list[int], k: int) -> list[int]:
         """Greedy drafts: features (L, dim) of the context's positions 0 .. L-1 (the target's), tokens the L + 1
@@ -248,7 +255,7 @@ class EagleDraft:
                 f = torch.stack([feature[p[:-1]] for p in expand])                  # (T, dim)
                 positions = torch.full((len(expand),), end + depth - 1)
                 x = [tokens[node[p]] for p in expand]
-                pred = self.head._layer(f[None], torch.tensor([x]), positions, keys.attend(expand))[0]   # (T, dim)
+                pred = self.head.tree_step(keys, expand, f, x, positions)                  # (T, dim)
                 feature.update(zip(expand, pred))
         return tokens, parents
 

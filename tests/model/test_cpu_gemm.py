@@ -102,7 +102,7 @@ def test_where_the_kernel_cannot_be_built_it_says_why_and_the_small_step_takes_o
         assert lib is None and "cc failed" in why
         llm = engine()
         runner = llm.engine.runner
-        assert runner.small_step_rows == 1 and not isinstance(runner.decode_head, cpu_gemm.BlockedLinear)
+        assert runner.small_step_rows == 1 and not isinstance(runner.decode_weights[0][1], cpu_gemm.BlockedLinear)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
         assert runner.compiled_decode_steps == 0                              # two rows a step: the batched step
         llm.generate(prompts[:1], params, use_tqdm=False)

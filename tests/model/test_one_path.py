@@ -178,15 +178,16 @@ def test_the_compiled_step_reads_each_float_weight_as_a_copy_in_row_blocks_of_on
     runner, model = llm.engine.runner, llm.model
     R = 64 // torch.tensor([], dtype=dtype).element_size()
     layer = model.layers[0]
-    projections = [runner.decode_weights[0][i] for i in (1, 2, 4, 5)] + [runner.decode_head]
+    projections = [runner.decode_weights[0][i] for i in (1, 2, 4, 5)]
     assert all(isinstance(p, BlockedLinear) for p in projections)                 # read by the few-row kernel
+    assert runner.small_step_rows > 1                                              # ... the head too (K > 1 rows)
     for blocks, linear in zip([p.blocks for p in projections],
                               [layer.attn.wqkv, layer.attn.wo, layer.ffn.w_gate_up, layer.ffn.w_down]):
         out, n_in = linear.weight.shape
         assert blocks.shape == (out // R, n_in, R) and blocks.is_contiguous()
         assert torch.equal(blocks.transpose(1, 2).reshape(out, n_in), linear.weight)
         assert blocks.data_ptr() != linear.weight.data_ptr()                       # a copy: the original stays
-    assert torch.equal(runner.decode_head.blocks.transpose(1, 2).reshape(cfg.vocab_size, cfg.dim), model.embed.weight)
+    assert torch.equal(runner.decode_head.transpose(1, 2).reshape(cfg.vocab_size, cfg.dim), model.embed.weight)
     if dtype == torch.float32:
         prompt = {"prompt_token_ids": random_prompts([9], cfg.vocab_size, seed=3)[0]}
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
