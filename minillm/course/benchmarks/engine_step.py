@@ -11,7 +11,7 @@ prompt and B x new_tokens greedy tokens each (ignore_eos), through
     hf_batched        transformers' generate on the same B prompts as one batch (dense weights,
                       same dtype, KV cache on); equal lengths, so no padding
 
-in fp32 and bf16, B = 16 and 48; the three run in turn in every round (interleaved), medians over
+in fp32 and bf16, B = 16, 48 and 64; the three run in turn in every round (interleaved), medians over
 rounds after a warm-up. Output tokens per second of wall time, prompt included.
 
 The roofline of a decode step at batch B reads every weight once and does 2 FLOPs per weight per
@@ -29,10 +29,11 @@ copies, and from a paged cache, gather + SDPA against the engine's fused kernel
 Between the roofline and the engine sits the GEMM floor: the engine's own prepacked GEMMs at B rows
 and nothing else, every layer's and the LM head's in order, timed once per round right after the
 engine (gemm_floor_ms). It is what this GEMM library does at these shapes: the roofline's rate is a
-square 2048 GEMM's, and B = 16 or 48 rows reuse each weight too few times to reach it
+square 2048 GEMM's, and 16 to 64 rows reuse each weight too few times to reach it
 (gemm_floor_fraction_of_roofline). The engine's median decode-only step (engine_decode_step_ms,
 from its step log) minus the floor is everything else a step does: attention, norms, RoPE, copies,
-Python (gemm_floor_share_of_step is the floor's share).
+Python (gemm_floor_share_of_step is the floor's share, decode_step_over_gemm_floor its inverse:
+how many times the floor a step takes).
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ SYSTEMS = ("engine", "engine_unpacked", "hf_batched")
 def settings(quick: bool) -> dict:
     if quick:
         return dict(batches=(4,), dtypes=("float32",), new_tokens=4, rounds=2, prompt_tokens=8)
-    return dict(batches=(16, 48), dtypes=("float32", "bfloat16"), new_tokens=32, rounds=3, prompt_tokens=16)
+    return dict(batches=(16, 48, 64), dtypes=("float32", "bfloat16"), new_tokens=32, rounds=3, prompt_tokens=16)
 
 
 def step_roofline(cfg, dtype: torch.dtype, batch: int, bandwidth: float, gemm_rate: float) -> dict:
@@ -183,6 +184,7 @@ def compare(base_llm, hf_fp32, dtype_name: str, batch: int, cfg: dict, probe=Non
            "prepacked_vs_unpacked": tok_s["engine"] / tok_s["engine_unpacked"],
            "engine_decode_step_ms": statistics.median(step_ms), "gemm_floor_ms": statistics.median(floors),
            "gemm_floor_share_of_step": statistics.median(floors) / statistics.median(step_ms),
+           "decode_step_over_gemm_floor": statistics.median(step_ms) / statistics.median(floors),
            "same_tokens_packed_unpacked": tokens["engine"] == tokens["engine_unpacked"],
            "gemm_libraries": llm.engine.runner.gemm_libraries,           # the build's tuning step chose these
            "requests_equal_to_hf_before_eos": sum(before_eos(a, eos) == b[:len(before_eos(a, eos))]
@@ -230,6 +232,7 @@ def run(quick: bool) -> dict:
                                                                   "engine_fraction_of_roofline",
                                                                   "engine_decode_step_ms", "gemm_floor_ms",
                                                                   "gemm_floor_share_of_step",
+                                                                  "decode_step_over_gemm_floor",
                                                                   "gemm_floor_fraction_of_roofline")}
                for r in rows}
     summary["machine_rates"] = rates
