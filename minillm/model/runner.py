@@ -531,6 +531,7 @@ class ModelRunner:
         return fits and (self.compile_failed is None or batch.has_tree)
 
     def _refuse_a_tree_it_cannot_take(self, batch: PagedBatch) -> None:
+        """A tree of drafts runs only in the small step (its masks): ValueError for one in a bigger step."""
         rows = batch.tokens.shape[0]
         if batch.has_tree and rows > self.tree_rows:
             raise ValueError(f"a tree of drafts in a step of {rows} rows: this runner takes trees in steps of "

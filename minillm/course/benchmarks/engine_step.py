@@ -32,8 +32,8 @@ engine (gemm_floor_ms). It is what this GEMM library does at these shapes: the r
 square 2048 GEMM's, and 16 to 64 rows reuse each weight too few times to reach it
 (gemm_floor_fraction_of_roofline). The engine's median decode-only step (engine_decode_step_ms,
 from its step log) minus the floor is everything else a step does: attention, norms, RoPE, copies,
-Python (gemm_floor_share_of_step is the floor's share, decode_step_over_gemm_floor its inverse:
-how many times the floor a step takes).
+Python (gemm_floor_share_of_step is the floor's share; its inverse is how many times the floor a
+step takes).
 """
 from __future__ import annotations
 
@@ -184,7 +184,6 @@ def compare(base_llm, hf_fp32, dtype_name: str, batch: int, cfg: dict, probe=Non
            "prepacked_vs_unpacked": tok_s["engine"] / tok_s["engine_unpacked"],
            "engine_decode_step_ms": statistics.median(step_ms), "gemm_floor_ms": statistics.median(floors),
            "gemm_floor_share_of_step": statistics.median(floors) / statistics.median(step_ms),
-           "decode_step_over_gemm_floor": statistics.median(step_ms) / statistics.median(floors),
            "same_tokens_packed_unpacked": tokens["engine"] == tokens["engine_unpacked"],
            "gemm_libraries": llm.engine.runner.gemm_libraries,           # the build's tuning step chose these
            "requests_equal_to_hf_before_eos": sum(before_eos(a, eos) == b[:len(before_eos(a, eos))]
@@ -232,7 +231,6 @@ def run(quick: bool) -> dict:
                                                                   "engine_fraction_of_roofline",
                                                                   "engine_decode_step_ms", "gemm_floor_ms",
                                                                   "gemm_floor_share_of_step",
-                                                                  "decode_step_over_gemm_floor",
                                                                   "gemm_floor_fraction_of_roofline")}
                for r in rows}
     summary["machine_rates"] = rates
