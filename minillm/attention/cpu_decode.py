@@ -14,7 +14,8 @@ kernel_support/c_library.py. Where it cannot be built, kernel() says why and the
 (attention.backends.choose_backend). A GPU runs kernels/paged_attention.py's Triton kernel instead.
 
 The engine calls it as the op minillm::cpu_decode_attention, so that the torch profiler (bench profile,
-bench peers) sees the kernel's time as an op of its own instead of Python between ops.
+bench peers) sees the kernel's time as an op of its own instead of Python between ops, and so that a compiled
+step of decode rows only keeps the call inside its graph (layer.decode_only_layer).
 """
 from __future__ import annotations
 
@@ -93,6 +94,8 @@ if not hasattr(torch.ops.minillm, "cpu_decode_attention"):
                     "Tensor seq_lens, int window) -> Tensor")           # window 0: none
     _LIBRARY.impl("cpu_decode_attention", lambda q, k_cache, v_cache, tables, lens, window: decode_attention(
         q, k_cache, v_cache, tables, lens, window or None), "CompositeExplicitAutograd")
+    torch.library.register_fake("minillm::cpu_decode_attention", lib=_LIBRARY)(   # NEW: inside a compiled graph
+        lambda q, k_cache, v_cache, tables, lens, window: torch.empty_like(q))
 
 
 def decode_attention_op(q, k_cache, v_cache, block_tables, seq_lens, window: int | None = None) -> torch.Tensor:

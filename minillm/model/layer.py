@@ -22,8 +22,9 @@ What differs between the ways the engine runs this layer is data, not code:
   (compiled_decode_layer below: each layer becomes a few generated loops and, for 2 or more rows, calls
   of the few-row GEMM kernel, model/cpu_gemm.c); a step of more rows runs it under torch.compile too,
   with the attention call left out of the graph (compiled_layer: the pieces between attention calls
-  are compiled, vLLM's piecewise compilation; attention runs as its backend wrote it). The eager run is
-  op by op.
+  are compiled, vLLM's piecewise compilation; attention runs as its backend wrote it), except a step of
+  decode tokens only with the C decode kernel, which runs it with that kernel's op inside one graph per
+  layer (compiled_decode_only_layer, NEW). The eager run is op by op.
 """
 from __future__ import annotations
 
@@ -158,23 +159,40 @@ def decoder_layer(h: torch.Tensor, weights: tuple, rope, attention, n_heads: int
 def paged_decode_layer(h: torch.Tensor, weights: tuple, cos: torch.Tensor, sin: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                        block_tables: torch.Tensor, seq_lens: torch.Tensor, n_heads: int, n_kv_heads: int,
-                       eps: float, window: int | None = None, runs: tuple | None = None) -> torch.Tensor:
+                       eps: float, window: int | None = None, runs: tuple | None = None,
+                       attend=None) -> torch.Tensor:
     """decoder_layer for a small step, every row a query of its own (a decode token, or one token of a short
     run such as a speculative verification), with RoPE by cos, sin (N, 1, D/2) and its attention spelled out
     for torch.compile: each row's k, v written at its slot, then each row attends to its blocks' keys up to
     its own position, read in place. k_cache, v_cache (num_blocks, block_size, Hkv, D): this layer's cache;
-    slots (N,), block_tables (N, n), seq_lens (N,) int64 (position + 1); window: the model's sliding window
+    slots (N,), block_tables (N, n), seq_lens (N,) (position + 1); window: the model's sliding window
     (None: full attention); runs: None, or for a tree of drafts (NEW) (run_starts, run_masks) (N,) int64 each:
-    the keys of its run a row sees (its ancestors' and its own). The attention is
+    the keys of its run a row sees (its ancestors' and its own). The attention: attend(q, k_cache, v_cache,
+    block_tables, seq_lens, window) where given (decode_only_layer: the C kernel's op, no tree), else
     attention.paged.decode_attention_fused: loops Inductor generates, in the graph."""
     from minillm.attention.paged import decode_attention_fused
 
     def attention(q, k, v):
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))   # (blocks*bs, Hkv, D)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+        if attend is not None:
+            return attend(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, window)
         return decode_attention_fused(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, window, runs)
 
     return decoder_layer(h, weights, lambda x: apply_rope(x, cos, sin), attention, n_heads, n_kv_heads, eps)
+
+
+def decode_only_layer(h: torch.Tensor, weights: tuple, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      n_heads: int, n_kv_heads: int, eps: float, window: int | None = None) -> torch.Tensor:
+    """NEW: one graph per layer: paged_decode_layer for a step of decode tokens only, more rows than the small step
+    takes, with the engine's projections (prepacked GEMMs) and the C decode kernel's op (attention/cpu_decode.c) as
+    its attention, block_tables (N, n) and seq_lens (N,) int32 as the kernel takes them. A function of its own
+    only so that its graphs count against a recompile limit of their own (Dynamo counts per code object)."""
+    from minillm.attention.cpu_decode import decode_attention_op
+
+    return paged_decode_layer(h, weights, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, n_heads,
+                              n_kv_heads, eps, window, attend=decode_attention_op)
 
 
 # One compiled function serves every layer (all have the same shapes) and every step: the blocks per
@@ -189,3 +207,6 @@ compiled_head = compile_on_first_call(gemv, dynamic=False)   # the tied LM head 
 # callable it is given is left out of the graph (backends.TorchBackend.forward_outside_graph), so Dynamo compiles the
 # norm, QKV GEMM and RoPE before it as one graph and the output GEMM, residuals, MLP after it as another.
 compiled_layer = compile_on_first_call(decoder_layer, dynamic=False)
+# NEW: a step of decode rows only, ONE graph per layer (the C attention op inside): the pieces around an attention
+# call outside the graph cost two graph entries per layer, each with its guards and wrappers.
+compiled_decode_only_layer = compile_on_first_call(decode_only_layer, dynamic=False)

@@ -28,7 +28,8 @@ torch.compile (layer.compiled_decode_layer, NEW: compiled small step) over a cop
 in row blocks (transforms.gemv_blocks), which one row reads by generated GEMV loops and several rows
 by the few-row GEMM kernel (model/cpu_gemm.c); a step of more rows over prepacked weights runs it
 under torch.compile as well, attention left out of the graph (layer.compiled_layer, NEW: compiled
-batched step); on a GPU a step whose every row is one decode token replays a CUDA graph
+batched step), or, where every row is a decode token and the C kernel attends, inside it (one graph per
+layer, layer.compiled_decode_only_layer, NEW: decode-only step); on a GPU a step whose every row is one decode token replays a CUDA graph
 (minillm/model/cuda_graphs.py).
 """
 from __future__ import annotations
@@ -44,7 +45,8 @@ from minillm.attention.paged import block_table_tensor, copy_blocks, gather_bloc
 from minillm.kernel_support.args import INTERPRETED
 from . import cpu_gemm, prepacked
 from .cpu_gemm import BlockedLinear
-from .layer import (compiled_decode_layer, compiled_head, compiled_layer, compiled_or_eager, decoder_layer, gemv,
+from .layer import (compiled_decode_layer, compiled_decode_only_layer, compiled_head, compiled_layer, compiled_or_eager,
+                    decode_only_layer, decoder_layer, gemv,
                     paged_decode_layer)
 from .llama import Llama, ModelConfig
 from .mla import LatentAttention, LatentProjections
@@ -364,7 +366,8 @@ class ModelRunner:
         row blocks (transforms.gemv_blocks), W8A8 ones as StackedW8A8: up to SMALL_STEP_ROWS rows where the
         few-row GEMM kernel builds and takes the float blocks (cpu_gemm.BlockedLinear), else one row
         (small_step_rows); a step of more rows, where every projection is prepacked or W8A8, runs it
-        under torch.compile with attention outside the graph (layer.compiled_layer).
+        under torch.compile with attention outside the graph (layer.compiled_layer), or inside it for a
+        step of decode tokens only where the C kernel attends (layer.compiled_decode_only_layer).
         triton_on_cpu: run the GPU path (Triton store + paged decode kernel) on CPU tensors under
         TRITON_INTERPRET=1, so that tests on a CPU machine cover what a GPU runs.
         attention_backend: how prefill runs attend (model.ATTENTION_BACKENDS); the paged backend itself
@@ -378,6 +381,7 @@ class ModelRunner:
         self.graphs = None                      # NEW: CUDA graphs; a cuda_graphs.DecodeGraphs set by the engine
         self.compiled_decode_steps = 0          # tests prove the compiled small step ran
         self.compiled_batched_steps = 0         # ... and the compiled batched step
+        self.compiled_decode_only_steps = 0     # ... and, of those, the decode-only ones in one graph per layer
         self.compile_failed: str | None = None  # why torch.compile could not build here: eager from then on
         self.window = model.cfg.sliding_window  # each row sees its last `window` keys (Mistral); None: all
         self.attention = make_backend(choose_backend(kv, triton_on_cpu, model.cfg.n_heads), kv, attention_backend,
@@ -587,12 +591,38 @@ class ModelRunner:
         cos, sin = self._cos_sin(batch.positions)                        # (N, 1, D/2) each
         for t in (h, cos, sin):
             torch._dynamo.mark_dynamic(t, 0)
+        self.compiled_batched_steps += 1
+        if self._attends_in_graph(batch):                                # NEW: decode rows only, one graph a layer
+            return self._decode_only_layers(h, cos, sin, batch)
         rope = functools.partial(apply_rope, cos=cos, sin=sin)
         for i, weights in enumerate(self.layer_weights):
             attention = functools.partial(attention_outside_graph(), self.attention, i, batch)   # (q, k, v) -> (N, Hq, D)
             h = self._run(compiled_layer, decoder_layer, h, weights, rope, attention, cfg.n_heads, cfg.n_kv_heads,
                           cfg.norm_eps)
-        self.compiled_batched_steps += 1
+        return h
+
+    def _attends_in_graph(self, batch: PagedBatch) -> bool:
+        """Every row of the batch is a decode token and the C kernel attends: its op can sit inside the layer's graph."""
+        return self.attention.name == "cpu" and not batch.prefills and batch.decode_rows.shape[0] == batch.tokens.shape[0]
+
+    def _decode_only_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        """NEW: a step of decode tokens only, more rows than the small step takes, through every layer by the compiled
+        layer.decode_only_layer (eagerly, where compiling fails): each layer ONE graph, the prepacked GEMMs and the
+        C decode kernel's op inside it, instead of two graphs around an attention call outside. The block tables
+        are padded to at least 2 blocks (masked by decode_lens), as in _decode_layers."""
+        cfg = self.model.cfg
+        tables = batch.decode_tables                                     # (N, n) int32
+        tables = tables if tables.shape[1] > 1 else tables.repeat(1, 2)  # (N, n >= 2)
+        k_caches, v_caches = self.kv.k.unbind(0), self.kv.v.unbind(0)   # L x (num_blocks, bs, Hkv, D) views
+        for t, dims in ((batch.slot_mapping, (0,)), (tables, (0, 1)), (batch.decode_lens, (0,)),
+                        (k_caches[0], (0,)), (v_caches[0], (0,))):       # the pool's size differs per engine
+            for d in dims:
+                torch._dynamo.maybe_mark_dynamic(t, d)
+        for i, weights in enumerate(self.layer_weights):
+            h = self._run(compiled_decode_only_layer, decode_only_layer, h, weights, cos, sin, k_caches[i], v_caches[i],
+                          batch.slot_mapping, tables, batch.decode_lens, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps,
+                          self.window)
+        self.compiled_decode_only_steps += 1
         return h
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -86,20 +86,21 @@ def test_where_it_cannot_be_built_it_says_why_and_the_engine_keeps_the_compiled_
         cpu_decode.kernel.cache_clear()
 
 
-def test_the_engine_attends_every_decode_row_in_one_call_with_the_torch_backends_tokens():
+def test_the_engine_attends_every_decode_row_in_one_call_with_the_torch_backends_tokens(monkeypatch):
     cfg = tiny_config()
     llm = LLM(model=random_model(cfg, seed=0), tokenizer=CharTokenizer(), device="cpu", max_model_len=256,
               max_num_seqs=12, max_num_batched_tokens=48)                # 12 rows: more than a small step takes
     runner = llm.engine.runner
     assert choose_backend(runner.kv, False, cfg.n_heads) == runner.attention.name == "cpu"
     assert llm.engine.decode_group_cost is None                         # no groups by length
-    calls = []
-    decode = runner.attention.decode
-    runner.attention.decode = lambda q, *rest: calls.append(q.shape[0]) or decode(q, *rest)
+    calls = []                                                          # counted where the op calls the kernel:
+    decode = cpu_decode.decode_attention                                # a decode-only step calls it inside its graph
+    monkeypatch.setattr(cpu_decode, "decode_attention", lambda q, *rest: calls.append(q.shape[0]) or decode(q, *rest))
     prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 40, 9, 25, 70, 1] * 2, cfg.vocab_size)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert max(calls) == 12 and len(calls) >= 10 * cfg.n_layers         # all twelve rows at once, in every layer
+    assert runner.compiled_decode_only_steps > 0 and runner.compile_failed is None   # ... in the decode-only step
     runner.attention = make_backend("torch", runner.kv)                 # gather + SDPA, in groups by length
     llm.engine.decode_group_cost = 16
     runner.decode_weights = None                                        # (the compiled small step is the same in both)
