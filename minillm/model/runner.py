@@ -29,8 +29,8 @@ in row blocks (transforms.gemv_blocks), which one row reads by generated GEMV lo
 by the few-row GEMM kernel (model/cpu_gemm.c); a step of more rows over prepacked weights runs it
 under torch.compile as well, attention left out of the graph (layer.compiled_layer, NEW: compiled
 batched step), or, where every row is a decode token and the C kernel attends, inside it (one graph per
-layer, layer.compiled_decode_only_layer, NEW: decode-only step); on a GPU a step whose every row is one decode token replays a CUDA graph
-(minillm/model/cuda_graphs.py).
+layer, layer.compiled_decode_only_layer, NEW: decode-only step); on a GPU a step whose every row is one
+decode token replays a CUDA graph (minillm/model/cuda_graphs.py).
 """
 from __future__ import annotations
 

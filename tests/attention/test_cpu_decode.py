@@ -86,7 +86,7 @@ def test_where_it_cannot_be_built_it_says_why_and_the_engine_keeps_the_compiled_
         cpu_decode.kernel.cache_clear()
 
 
-def test_the_engine_attends_every_decode_row_in_one_call_with_the_torch_backends_tokens(monkeypatch):
+def test_the_engine_attends_every_decode_row_in_one_call_with_the_torch_backends_tokens(monkeypatch, fresh_compile_caches):
     cfg = tiny_config()
     llm = LLM(model=random_model(cfg, seed=0), tokenizer=CharTokenizer(), device="cpu", max_model_len=256,
               max_num_seqs=12, max_num_batched_tokens=48)                # 12 rows: more than a small step takes

@@ -7,10 +7,10 @@ server decodes (a few requests, one row each). Its weights are read once whateve
 cost about what one row costs. Two ways to run the same batch through ModelRunner.forward, SmolLM2 in fp32 and bf16:
     small     the compiled small step: every row a query of its own, projections by the few-row kernel over the
               weights in row blocks (model/cpu_gemm.c; one row: the generated GEMV loops)
-    batched   what these rows run where the small step does not take them (runner.small_step_rows = 1), as they
-              ran before it took more than one row: a run, the compiled batched step (prepacked library GEMMs,
-              attention outside the graph); decode rows, where the C attention kernel attends, its decode-only
-              form (the same GEMMs and the kernel's op in one graph per layer)
+    batched   what these rows run where the small step does not take them (runner.small_step_rows = 1): a run,
+              the compiled batched step (prepacked library GEMMs, attention outside the graph); decode rows,
+              where the C attention kernel attends, its decode-only form (the same GEMMs and the kernel's op in
+              one graph per layer)
 Shapes: one request's run of R rows continuing its cached context (R = 1, 2, 4, 8: a verification of R - 1 drafts),
 and R requests with one decode row each (R = 2, 4, 8), all after PROMPT_TOKENS of context. The two ways alternate in
 each of `rounds` rounds, each timed as the median of `repeats` calls after a warm-up; medians over rounds.
