@@ -603,21 +603,16 @@ class ModelRunner:
 
     def _attends_in_graph(self, batch: PagedBatch) -> bool:
         """Every row of the batch is a decode token and the C kernel attends: its op can sit inside the layer's graph."""
-        return self.attention.name == "cpu" and not batch.prefills and batch.decode_rows.shape[0] == batch.tokens.shape[0]
+        return self.attention.name == "cpu" and batch.decode_rows.shape[0] == batch.tokens.shape[0]
 
     def _decode_only_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         """NEW: a step of decode tokens only, more rows than the small step takes, through every layer by the compiled
         layer.decode_only_layer (eagerly, where compiling fails): each layer ONE graph, the prepacked GEMMs and the
-        C decode kernel's op inside it, instead of two graphs around an attention call outside. The block tables
-        are padded to at least 2 blocks (masked by decode_lens), as in _decode_layers."""
+        C decode kernel's op inside it, instead of two graphs around an attention call outside."""
         cfg = self.model.cfg
-        tables = batch.decode_tables                                     # (N, n) int32
-        tables = tables if tables.shape[1] > 1 else tables.repeat(1, 2)  # (N, n >= 2)
-        k_caches, v_caches = self.kv.k.unbind(0), self.kv.v.unbind(0)   # L x (num_blocks, bs, Hkv, D) views
-        for t, dims in ((batch.slot_mapping, (0,)), (tables, (0, 1)), (batch.decode_lens, (0,)),
-                        (k_caches[0], (0,)), (v_caches[0], (0,))):       # the pool's size differs per engine
-            for d in dims:
-                torch._dynamo.maybe_mark_dynamic(t, d)
+        tables, k_caches, v_caches = self._in_place_reads(batch.decode_tables)   # (N, n >= 2) int32
+        for t in (batch.slot_mapping, tables, batch.decode_lens):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
         for i, weights in enumerate(self.layer_weights):
             h = self._run(compiled_decode_only_layer, decode_only_layer, h, weights, cos, sin, k_caches[i], v_caches[i],
                           batch.slot_mapping, tables, batch.decode_lens, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps,
@@ -629,6 +624,18 @@ class ModelRunner:
         """RoPE's cos and sin at each row's position, (N, 1, D/2) each."""
         return self.rope.cos[positions][:, None], self.rope.sin[positions][:, None]
 
+    def _in_place_reads(self, tables: torch.Tensor) -> tuple:
+        """For a compiled step that reads the paged cache in place: the block tables (N, n) padded to at least 2
+        blocks (a repeat past each row's length, masked: torch would specialise a size of 1 into a graph of its own)
+        and every layer's K and V cache views (num_blocks, bs, Hkv, D); the blocks per row and the pool's size
+        (which differs per engine) marked symbolic."""
+        tables = tables if tables.shape[1] > 1 else tables.repeat(1, 2)  # (N, n >= 2)
+        torch._dynamo.maybe_mark_dynamic(tables, 1)
+        k_caches, v_caches = self.kv.k.unbind(0), self.kv.v.unbind(0)   # L x (num_blocks, bs, Hkv, D) views
+        for cache in (k_caches[0], v_caches[0]):
+            torch._dynamo.maybe_mark_dynamic(cache, 0)
+        return tables, k_caches, v_caches
+
     @torch.no_grad()
     def _decode_layers(self, batch: PagedBatch) -> torch.Tensor:
         """A small step (1 .. small_step_rows rows) through every layer by the compiled layer.paged_decode_layer
@@ -637,16 +644,9 @@ class ModelRunner:
         a decode token, a speculative verification and a short prefill chunk are the same computation; a tree
         of drafts (NEW) attends instead to the keys before its run and, of the run's, its ancestors' and its own
         (run_starts, run_masks). One graph for one row, one for 2 .. small_step_rows (the row count marked
-        symbolic), one for a tree. The block tables are
-        padded to at least 2 blocks (a repeat past the row's length, masked): torch would specialise a size of
-        1 into a graph of its own."""
+        symbolic), one for a tree."""
         cfg = self.model.cfg
-        tables = batch.row_tables                                        # (N, n)
-        tables = tables if tables.shape[1] > 1 else tables.repeat(1, 2)  # (N, n >= 2)
-        torch._dynamo.maybe_mark_dynamic(tables, 1)
-        k_caches, v_caches = self.kv.k.unbind(0), self.kv.v.unbind(0)   # L x (num_blocks, bs, Hkv, D) views
-        for cache in (k_caches[0], v_caches[0]):                         # the pool's size differs per engine
-            torch._dynamo.maybe_mark_dynamic(cache, 0)
+        tables, k_caches, v_caches = self._in_place_reads(batch.row_tables)
         cos, sin = self._cos_sin(batch.positions)                        # (N, 1, D/2) each
         h = self.model.embed.weight.detach()[batch.tokens]               # (N, dim) gathered: not a view
         runs = (batch.run_starts, batch.run_masks) if batch.has_tree else None
